@@ -1,0 +1,42 @@
+# accum-train: small phony targets. `make setup` is idempotent (a stamp tracks pyproject.toml).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup run test test-fast lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+# The main job on the embedded default: tiny Llama, byte-level tokenizer, CPython's own docs.
+run: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not distributed"
+
+lint: setup
+	$(BIN)/ruff check accum_cli tests bench
+	$(BIN)/ruff format --check accum_cli tests bench
+
+format: setup
+	$(BIN)/ruff format accum_cli tests bench
+	$(BIN)/ruff check --fix accum_cli tests bench
+
+bench: setup
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

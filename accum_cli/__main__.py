@@ -1,0 +1,3 @@
+from accum_cli.cli import entry
+
+entry()

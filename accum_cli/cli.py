@@ -1,0 +1,117 @@
+"""The `accum-train` command: options -> config -> plan or run; mistakes -> one line, exit 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperCommand
+
+from accum_cli import policy
+from accum_cli.config import build_config
+from accum_cli.errors import EXIT_USAGE, UserError
+from accum_cli.runtime import env_rank, exit_process
+
+EXIT_NONFINITE = 3
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> None:
+    """One line on stderr (rank 0 only, so N ranks do not print N copies), then exit."""
+    if env_rank() == 0:
+        print(f"accum-train: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+class OneLineErrors(TyperCommand):
+    """Click's usage errors (unknown flag, `--micro-batch abc`) as one line, exit code 2."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except typer.Abort:
+            fail("aborted", 130)
+        except Exception as exc:
+            # Typer's parse errors (its vendored click's UsageError family) carry a message and
+            # an exit code; anything else is a bug and keeps its traceback.
+            if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+                raise
+            fail(f"{exc.format_message()} (see accum-train --help)")
+        raise SystemExit(result if isinstance(result, int) else 0)
+
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Train a Hugging Face causal LM at a large global batch: exact gradient accumulation on FSDP2.",
+)
+
+Opt = typer.Option
+
+
+@app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+def main(
+    model: Annotated[Optional[str], Opt(help="Model folder (save_pretrained) or hub id. Default: the embedded tiny Llama.")] = None,
+    dataset: Annotated[Optional[str], Opt(help="A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. Default: embedded corpus.")] = None,
+    text_column: Annotated[Optional[str], Opt(help="Column with raw text.  [default: text]")] = None,
+    trust_remote_code: Annotated[Optional[bool], Opt("--trust-remote-code/--no-trust-remote-code", help="Run code shipped with the model or dataset.  [default: no]")] = None,
+    seq_len: Annotated[Optional[int], Opt(help="Tokens per sequence.  [default: 128 on the embedded corpus, else min(2048, model maximum)]")] = None,
+    global_batch: Annotated[Optional[int], Opt(help="Sequences per optimizer step, over all ranks.  [default: 64]")] = None,
+    micro_batch: Annotated[Optional[int], Opt(help="Sequences per forward/backward on one rank.  [default: 8]")] = None,
+    strict_batch: Annotated[Optional[bool], Opt("--strict-batch/--no-strict-batch", help="Refuse a global batch that is not a multiple of micro batch x world size.")] = None,
+    max_steps: Annotated[Optional[int], Opt(help="Optimizer steps.  [default: one epoch]")] = None,
+    epochs: Annotated[Optional[float], Opt(help="Passes over the data when --max-steps is not given.  [default: 1]")] = None,
+    lr: Annotated[Optional[float], Opt(help="Peak learning rate.  [default: 1e-3]")] = None,
+    warmup_steps: Annotated[Optional[int], Opt(help="Linear warmup steps.  [default: 5]")] = None,
+    lr_schedule: Annotated[Optional[str], Opt(help="cosine or constant.  [default: cosine]")] = None,
+    weight_decay: Annotated[Optional[float], Opt(help="AdamW weight decay on matrices.  [default: 0.1]")] = None,
+    grad_clip: Annotated[Optional[float], Opt(help="Max global gradient L2 norm; 0 disables.  [default: 1.0]")] = None,
+    seed: Annotated[Optional[int], Opt(help="Seed of the data order and of from-config weights.  [default: 0]")] = None,
+    sync: Annotated[Optional[str], Opt(help=f"Gradient sync policy: {', '.join(policy.POLICIES)}.  [default: auto]")] = None,
+    precision: Annotated[Optional[str], Opt(help="auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.  [default: auto]")] = None,
+    device_memory_gib: Annotated[Optional[float], Opt(help="Memory per rank for the auto sync policy.  [default: read from the device]")] = None,
+    output_dir: Annotated[Optional[str], Opt(help="Where metrics.jsonl, config.json and final/ go.  [default: runs/accum-train]")] = None,
+    overwrite: Annotated[Optional[bool], Opt("--overwrite/--no-overwrite", help="Write into an output dir that holds a previous run.")] = None,
+    recipe: Annotated[Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")] = None,
+    plan: Annotated[bool, Opt("--plan", help="Print the plan for --world-size and exit without training.")] = False,
+    world_size: Annotated[Optional[int], Opt(help="World size to plan for (with --plan only).")] = None,
+) -> None:
+    """Train, or with --plan print the batch plan and exit.
+
+    Example: accum-train --global-batch 2048 --micro-batch 4
+    """
+    overrides = {k: v for k, v in locals().items() if k not in ("recipe", "plan", "world_size")}
+    try:
+        cfg = build_config(recipe, overrides)
+        if world_size is not None and not plan:
+            raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
+        if plan:
+            from accum_cli.train import plan_only
+
+            if world_size is not None and world_size < 1:
+                raise UserError(f"--world-size must be a positive integer, got {world_size}")
+            plan_only(cfg, world_size or 1)
+            return
+        from accum_cli.loop import NonFiniteError
+        from accum_cli.train import run
+
+        try:
+            run(cfg)
+        except NonFiniteError as exc:
+            fail(f"non-finite values: {exc}", EXIT_NONFINITE)
+    except UserError as exc:
+        fail(str(exc))
+
+
+def entry() -> None:
+    """Console script: run, then end the process without interpreter finalisation (runtime.py)."""
+    try:
+        app(prog_name="accum-train")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    exit_process(code)

@@ -1,0 +1,106 @@
+"""What a run reports: metrics.jsonl (one object per optimizer step), progress, summary.
+
+Only rank 0 reports; the values it reports are global (all-reduced), so they do not
+depend on which rank writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from accum_cli.loop import StepResult
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class Reporter:
+    """Writes metrics.jsonl and shows progress; a no-op object on ranks other than 0."""
+
+    def __init__(self, output_dir: Path | None, total_steps: int, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.device = device
+        self.started = time.perf_counter()
+        self.console = Console(stderr=False, highlight=False)
+        self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None
+        self._progress: Progress | None = None
+        self._task = None
+        self.last: dict | None = None
+        self.tokens_total = 0
+
+    def __enter__(self) -> Reporter:
+        if self.enabled and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, status="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._file is not None:
+            self._file.close()
+
+    def step(self, step: int, result: StepResult, step_seconds: float) -> dict:
+        self.tokens_total += result.tokens
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "loss_tokens": result.loss_tokens,
+            "tokens": result.tokens,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "tokens_per_s": result.tokens / step_seconds,
+            "step_s": step_seconds,
+            "elapsed_s": time.perf_counter() - self.started,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+        self.last = record
+        if not self.enabled:
+            return record
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        status = (
+            f"loss {result.loss:.4f}  lr {result.lr:.2e}  gnorm {result.grad_norm:.3f}  "
+            f"{record['tokens_per_s']:,.0f} tok/s"
+        )
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step + 1, status=status)
+        elif self._should_log(step):
+            print(f"step {step + 1}/{self.total_steps}  {status}", flush=True)
+        return record
+
+    def _should_log(self, step: int) -> bool:
+        every = max(1, self.total_steps // 20)
+        return step < 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
+
+    def info(self, line: str = "") -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+
+def print_lines(lines: list[str], title: str) -> None:
+    print(f"── {title} " + "─" * max(0, 60 - len(title)), flush=True)
+    for line in lines:
+        print(f"  {line}")
+    sys.stdout.flush()

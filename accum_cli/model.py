@@ -1,0 +1,168 @@
+"""Load a Hugging Face causal LM and its tokenizer, shard it with FSDP2, save it back.
+
+Sharding: `fully_shard` on every decoder layer (the classes the model names in
+`_no_split_modules`), then on the root, which owns the embeddings, the final norm and the
+LM head. Tied input/output embeddings are one parameter of the root group, so they are
+sharded, gathered and reduced once (sharding the embedding and the head separately would
+split one parameter across two groups).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from accum_cli.errors import UserError
+
+EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded" / "model"
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where the model comes from, checked before anything heavy happens."""
+
+    name: str  # what the user passed, or "embedded"
+    location: str  # a local folder or a hub id
+    is_local: bool
+    has_weights: bool
+
+
+def resolve_source(model: str | None) -> ModelSource:
+    if model is None:
+        return ModelSource("embedded", str(EMBEDDED_MODEL_DIR), True, False)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"--model {model} is a file; pass the folder written by save_pretrained")
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"--model {model} has no config.json; pass a folder written by save_pretrained"
+            )
+        has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
+        return ModelSource(model, str(path), True, has_weights)
+    if model.startswith((".", "/", "~")) or not _HUB_ID.match(model):
+        raise UserError(f"--model {model} does not exist; pass an existing folder or a hub id")
+    return ModelSource(model, model, False, True)
+
+
+def load_config(source: ModelSource, trust_remote_code: bool):
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        hint = "" if source.is_local else " (is the hub reachable from here?)"
+        raise UserError(f"--model {source.name}: cannot read its config{hint}: {_first_line(exc)}") from None
+    remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (remote_causal and trust_remote_code):
+        arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        extra = " (it ships its own code: add --trust-remote-code)" if remote_causal else ""
+        raise UserError(
+            f"--model {source.name} ({arch}) is not a causal language model{extra}; "
+            "pass a model that AutoModelForCausalLM can load"
+        )
+    config.use_cache = False
+    return config
+
+
+def count_parameters(config, trust_remote_code: bool) -> int:
+    """Parameter count without allocating weights (meta device); tied weights counted once."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) -> nn.Module:
+    """fp32 master weights on CPU: pretrained when the source has weights, else seeded init."""
+    from transformers import AutoModelForCausalLM
+
+    if source.has_weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location,
+            config=config,
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            attn_implementation="sdpa",
+        )
+    else:
+        # Every rank draws the same initial weights from the same seed.
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    model.train()
+    return model
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool):
+    """The model's tokenizer; the byte-level ByT5 tokenizer for the embedded model; None if absent."""
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    if source.name == "embedded":
+        return ByT5Tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def shard(model: nn.Module, mesh, bf16: bool) -> nn.Module:
+    """fully_shard each decoder layer, then the root; gradients are summed, never averaged."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # The loss is already divided by the global loss-token count, so FSDP must sum across
+    # ranks instead of averaging. The divide factor is per module (not recursive). Gloo has
+    # no PREMUL_SUM, so there the factor 1.0 also needs forced SUM reductions (DESIGN.md).
+    force_sum = dist.get_backend(mesh.get_group()) == "gloo"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if force_sum:
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool) -> None:
+    """Gather the full weights (a collective) and let rank 0 write HF format atomically."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

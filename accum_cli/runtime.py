@@ -1,0 +1,117 @@
+"""Processes and devices: the process group, the device mesh, and a safe exit.
+
+One code path for every launcher: torchrun and `accelerate launch` both export RANK,
+WORLD_SIZE and LOCAL_RANK; a plain `accum-train` is a world of one. CPU ranks talk over
+gloo, CUDA ranks over NCCL (with gloo beside it for CPU-side collectives).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend()
+
+    def mesh(self) -> DeviceMesh:
+        return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
+
+
+def env_rank() -> int:
+    """This process's rank as the launcher set it, before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def start(timeout_s: float = 1800.0) -> Runtime:
+    """Join (or create) the process group and pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = env_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # set by torchrun, accelerate launch
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # A world of one still needs a process group: fully_shard works on a device mesh.
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return Runtime(rank, local_rank, world_size, local_world_size, device)
+
+
+def device_memory_bytes(rt: Runtime) -> int:
+    """Memory one rank may plan with: the GPU's total, or this machine's free RAM shared by its ranks."""
+    if rt.device.type == "cuda":
+        return torch.cuda.get_device_properties(rt.device).total_memory
+    return available_ram_bytes() // max(rt.local_world_size, 1)
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def exit_process(code: int) -> None:
+    """End the process without running interpreter finalisation.
+
+    A multi-rank gloo process can abort (SIGABRT, "terminate called without an active
+    exception") or hang at interpreter exit: a gloo worker thread drops the last reference to
+    a finished collective while Python is finalising, and the device mesh and FSDP modules
+    keep the group alive until then (DESIGN.md). So after a successful run every rank meets
+    at a barrier (no rank leaves while another still needs the store), the group is
+    destroyed, output is flushed, and os._exit skips finalisation. On failure there is no
+    barrier: the other ranks may never arrive.
+    """
+    if dist.is_initialized():
+        if code == 0:
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            except Exception as exc:  # a peer died after our work was done: report it, honestly
+                print(f"accum-train: shutdown barrier failed: {exc}", file=sys.stderr)
+                code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)

@@ -1,0 +1,93 @@
+"""Shared test helpers: tiny real models and datasets on disk, real launcher subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_model(path: Path, tied: bool = False, seed: int = 1) -> Path:
+    """A 2-layer Llama with real weights and the byte-level tokenizer, as save_pretrained writes it."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def write_ragged_tokens(path: Path, n_rows: int = 30, seed: int = 2) -> Path:
+    """Pre-tokenised rows of different lengths whose labels mask a random prefix with -100,
+    so microbatches hold very different numbers of loss tokens."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(n_rows):
+            length = int(torch.randint(4, 40, (1,), generator=g))
+            ids = torch.randint(3, 384, (length,), generator=g).tolist()
+            masked = int(torch.randint(0, length - 1, (1,), generator=g))
+            labels = [-100] * masked + ids[masked:]
+            f.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+    return path
+
+
+def env(threads: int = 1) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    e.pop("RANK", None)
+    e.pop("WORLD_SIZE", None)
+    return e
+
+
+def run_cli(args: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    """accum-train as users start it: `python -m accum_cli` for one process, torchrun for more."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "accum_cli", *args]
+    else:
+        cmd = [
+            str(BIN / "torchrun"),
+            f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}",
+            "--master_addr=127.0.0.1",
+            "-m",
+            "accum_cli",
+            *args,
+        ]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rel_err(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
