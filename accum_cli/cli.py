@@ -53,28 +53,64 @@ Opt = typer.Option
 
 @app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main(
-    model: Annotated[Optional[str], Opt(help="Model folder (save_pretrained) or hub id. Default: the embedded tiny Llama.")] = None,
-    dataset: Annotated[Optional[str], Opt(help="A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. Default: embedded corpus.")] = None,
+    model: Annotated[
+        Optional[str], Opt(help="Model folder (save_pretrained) or hub id. Default: the embedded tiny Llama.")
+    ] = None,
+    dataset: Annotated[
+        Optional[str],
+        Opt(help="A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. Default: embedded corpus."),
+    ] = None,
     text_column: Annotated[Optional[str], Opt(help="Column with raw text.  [default: text]")] = None,
-    trust_remote_code: Annotated[Optional[bool], Opt("--trust-remote-code/--no-trust-remote-code", help="Run code shipped with the model or dataset.  [default: no]")] = None,
-    seq_len: Annotated[Optional[int], Opt(help="Tokens per sequence.  [default: 128 on the embedded corpus, else min(2048, model maximum)]")] = None,
-    global_batch: Annotated[Optional[int], Opt(help="Sequences per optimizer step, over all ranks.  [default: 64]")] = None,
+    trust_remote_code: Annotated[
+        Optional[bool],
+        Opt(
+            "--trust-remote-code/--no-trust-remote-code",
+            help="Run code shipped with the model or dataset.  [default: no]",
+        ),
+    ] = None,
+    seq_len: Annotated[
+        Optional[int],
+        Opt(help="Tokens per sequence.  [default: 128 on the embedded corpus, else min(2048, model maximum)]"),
+    ] = None,
+    global_batch: Annotated[
+        Optional[int], Opt(help="Sequences per optimizer step, over all ranks.  [default: 64]")
+    ] = None,
     micro_batch: Annotated[Optional[int], Opt(help="Sequences per forward/backward on one rank.  [default: 8]")] = None,
-    strict_batch: Annotated[Optional[bool], Opt("--strict-batch/--no-strict-batch", help="Refuse a global batch that is not a multiple of micro batch x world size.")] = None,
+    strict_batch: Annotated[
+        Optional[bool],
+        Opt(
+            "--strict-batch/--no-strict-batch",
+            help="Refuse a global batch that is not a multiple of micro batch x world size.",
+        ),
+    ] = None,
     max_steps: Annotated[Optional[int], Opt(help="Optimizer steps.  [default: one epoch]")] = None,
-    epochs: Annotated[Optional[float], Opt(help="Passes over the data when --max-steps is not given.  [default: 1]")] = None,
+    epochs: Annotated[
+        Optional[float], Opt(help="Passes over the data when --max-steps is not given.  [default: 1]")
+    ] = None,
     lr: Annotated[Optional[float], Opt(help="Peak learning rate.  [default: 1e-3]")] = None,
     warmup_steps: Annotated[Optional[int], Opt(help="Linear warmup steps.  [default: 5]")] = None,
     lr_schedule: Annotated[Optional[str], Opt(help="cosine or constant.  [default: cosine]")] = None,
     weight_decay: Annotated[Optional[float], Opt(help="AdamW weight decay on matrices.  [default: 0.1]")] = None,
     grad_clip: Annotated[Optional[float], Opt(help="Max global gradient L2 norm; 0 disables.  [default: 1.0]")] = None,
     seed: Annotated[Optional[int], Opt(help="Seed of the data order and of from-config weights.  [default: 0]")] = None,
-    sync: Annotated[Optional[str], Opt(help=f"Gradient sync policy: {', '.join(policy.POLICIES)}.  [default: auto]")] = None,
-    precision: Annotated[Optional[str], Opt(help="auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.  [default: auto]")] = None,
-    device_memory_gib: Annotated[Optional[float], Opt(help="Memory per rank for the auto sync policy.  [default: read from the device]")] = None,
-    output_dir: Annotated[Optional[str], Opt(help="Where metrics.jsonl, config.json and final/ go.  [default: runs/accum-train]")] = None,
-    overwrite: Annotated[Optional[bool], Opt("--overwrite/--no-overwrite", help="Write into an output dir that holds a previous run.")] = None,
-    recipe: Annotated[Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")] = None,
+    sync: Annotated[
+        Optional[str], Opt(help=f"Gradient sync policy: {', '.join(policy.POLICIES)}.  [default: auto]")
+    ] = None,
+    precision: Annotated[
+        Optional[str], Opt(help="auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.  [default: auto]")
+    ] = None,
+    device_memory_gib: Annotated[
+        Optional[float], Opt(help="Memory per rank for the auto sync policy.  [default: read from the device]")
+    ] = None,
+    output_dir: Annotated[
+        Optional[str], Opt(help="Where metrics.jsonl, config.json and final/ go.  [default: runs/accum-train]")
+    ] = None,
+    overwrite: Annotated[
+        Optional[bool], Opt("--overwrite/--no-overwrite", help="Write into an output dir that holds a previous run.")
+    ] = None,
+    recipe: Annotated[
+        Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")
+    ] = None,
     plan: Annotated[bool, Opt("--plan", help="Print the plan for --world-size and exit without training.")] = False,
     world_size: Annotated[Optional[int], Opt(help="World size to plan for (with --plan only).")] = None,
 ) -> None:

@@ -94,9 +94,7 @@ class TrainConfig:
         choices = (("sync", policy.POLICIES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
-                problems.append(
-                    f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}"
-                )
+                problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
         if problems:
@@ -131,9 +129,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name not in FIELD_NAMES:
-            raise UserError(
-                f"recipe {path}: unknown key {key!r}; known keys: {', '.join(FIELD_NAMES)}"
-            )
+            raise UserError(f"recipe {path}: unknown key {key!r}; known keys: {', '.join(FIELD_NAMES)}")
         overrides[name] = _checked(name, value, f"recipe {path}: key {key!r}")
     return overrides
 

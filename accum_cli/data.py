@@ -43,9 +43,7 @@ def load_raw(dataset: str | None, trust_remote_code: bool = False):
         builder = FILE_BUILDERS[files[0].suffix]
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
-            return datasets.load_dataset(
-                builder, data_files=[str(f) for f in files], split="train", **kwargs
-            )
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
         except Exception as exc:  # a malformed file: name it, do not dump the parser's stack
             raise UserError(f"--dataset {dataset}: cannot read it as {builder}: {_first_line(exc)}") from None
     if dataset.startswith((".", "/", "~")):
@@ -108,9 +106,7 @@ def prepare(raw, tokenizer, seq_len: int, text_column: str):
 
     packed = raw.map(pack, batched=True, batch_size=1000, remove_columns=raw.column_names)
     if len(packed) == 0:
-        raise UserError(
-            f"the dataset holds fewer than --seq-len {seq_len} tokens; lower --seq-len or add data"
-        )
+        raise UserError(f"the dataset holds fewer than --seq-len {seq_len} tokens; lower --seq-len or add data")
     return packed
 
 
@@ -149,7 +145,9 @@ class Microbatch:
         return int(self.attention_mask.sum())
 
     def to(self, device: torch.device) -> Microbatch:
-        return Microbatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels)))
+        return Microbatch(
+            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels))
+        )
 
 
 def collate(rows: dict[str, list], pad_id: int) -> Microbatch:
@@ -160,7 +158,7 @@ def collate(rows: dict[str, list], pad_id: int) -> Microbatch:
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
     target = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, (row, row_labels) in enumerate(zip(ids, labels)):
+    for i, (row, row_labels) in enumerate(zip(ids, labels, strict=True)):
         input_ids[i, : len(row)] = torch.tensor(row)
         target[i, : len(row)] = torch.tensor(row_labels)
         mask[i, : len(row)] = 1

@@ -35,7 +35,7 @@ class Reporter:
         self.device = device
         self.started = time.perf_counter()
         self.console = Console(stderr=False, highlight=False)
-        self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None
+        self._file = open(output_dir / "metrics.jsonl", "a") if enabled and output_dir else None  # noqa: SIM115 (closed in __exit__)
         self._progress: Progress | None = None
         self._task = None
         self.last: dict | None = None

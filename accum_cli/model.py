@@ -46,9 +46,7 @@ def resolve_source(model: str | None) -> ModelSource:
         if not path.is_dir():
             raise UserError(f"--model {model} is a file; pass the folder written by save_pretrained")
         if not (path / "config.json").is_file():
-            raise UserError(
-                f"--model {model} has no config.json; pass a folder written by save_pretrained"
-            )
+            raise UserError(f"--model {model} has no config.json; pass a folder written by save_pretrained")
         has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
         return ModelSource(model, str(path), True, has_weights)
     if model.startswith((".", "/", "~")) or not _HUB_ID.match(model):

@@ -117,8 +117,7 @@ class Plan:
         base, extra = divmod(g, w)
         sizes_hi, sizes_lo = self.microbatch_sizes(0), self.microbatch_sizes(w - 1)
         lines.append(
-            f"not divisible     G={g} is not a multiple of m x W = {m * w}: the step still uses "
-            f"exactly {g} sequences"
+            f"not divisible     G={g} is not a multiple of m x W = {m * w}: the step still uses exactly {g} sequences"
         )
         if extra:
             lines.append(

@@ -7,6 +7,7 @@ gloo, CUDA ranks over NCCL (with gloo beside it for CPU-side collectives).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -101,17 +102,14 @@ def exit_process(code: int) -> None:
     destroyed, output is flushed, and os._exit skips finalisation. On failure there is no
     barrier: the other ranks may never arrive.
     """
-    if dist.is_initialized():
-        if code == 0:
-            try:
-                dist.barrier()
-                dist.destroy_process_group()
-            except Exception as exc:  # a peer died after our work was done: report it, honestly
-                print(f"accum-train: shutdown barrier failed: {exc}", file=sys.stderr)
-                code = 1
-    for stream in (sys.stdout, sys.stderr):
+    if dist.is_initialized() and code == 0:
         try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception as exc:  # a peer died after our work was done: report it, honestly
+            print(f"accum-train: shutdown barrier failed: {exc}", file=sys.stderr)
+            code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not turn success into failure
             stream.flush()
-        except Exception:
-            pass
     os._exit(code)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from accum_cli import data, model as modeling, optim, policy, runtime
+from accum_cli import data, optim, policy, runtime
+from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.loop import train_step
@@ -54,9 +55,7 @@ def check_output_dir(cfg: TrainConfig) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {out} is a file; pass a folder")
     if (out / "config.json").exists() and not cfg.overwrite:
-        raise UserError(
-            f"--output-dir {out} holds a previous run; pass --overwrite or another --output-dir"
-        )
+        raise UserError(f"--output-dir {out} holds a previous run; pass --overwrite or another --output-dir")
     existing = out
     while not existing.exists():
         existing = existing.parent
@@ -79,7 +78,11 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     decision = policy.choose(cfg.sync, plan, size, memory)
     print_lines(plan.describe(seq_len), "plan")
     print_lines(
-        [*policy.describe(plan, size, memory), f"(device memory {where})", f"chosen: {decision.policy} — {decision.reason}"],
+        [
+            *policy.describe(plan, size, memory),
+            f"(device memory {where})",
+            f"chosen: {decision.policy} — {decision.reason}",
+        ],
         f"sync policy ({cfg.sync})",
     )
 
@@ -136,7 +139,9 @@ def setup(cfg: TrainConfig) -> Setup:
         longest = max(len(r) for r in dataset["input_ids"])
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
-            raise UserError(f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; shorten the rows")
+            raise UserError(
+                f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; shorten the rows"
+            )
         seq_len = longest
     size = model_size(model_config, cfg, bf16)
     memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
@@ -193,9 +198,7 @@ def run(cfg: TrainConfig) -> dict:
     with Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main) as reporter:
         for step in range(s.total_steps):
             started = time.perf_counter()
-            microbatches = [
-                reader.read(s.plan.microbatch_range(step, rt.rank, j)) for j in range(s.plan.accum_steps)
-            ]
+            microbatches = [reader.read(s.plan.microbatch_range(step, rt.rank, j)) for j in range(s.plan.accum_steps)]
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step
             )

@@ -77,7 +77,11 @@ def reference(model_dir: Path, rows: list[dict]) -> dict:
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    return {"loss": losses, "grad_norm": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "loss": losses,
+        "grad_norm": norms,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def references(workdir) -> dict:
 def assert_same_training(out: Path, ref: dict) -> None:
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(STEPS))
-    for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"]):
+    for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"], strict=True):
         assert rel_err(m["loss"], loss) < TOL, (m["step"], m["loss"], loss)
         assert rel_err(m["grad_norm"], norm) < TOL, (m["step"], m["grad_norm"], norm)
     trained = load_file(out / "final" / "model.safetensors")
@@ -118,7 +122,9 @@ CASES = [
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_name, world, micro, sync", CASES)
-def test_accumulated_sharded_training_equals_one_big_batch(workdir, references, tmp_path, model_name, world, micro, sync):
+def test_accumulated_sharded_training_equals_one_big_batch(
+    workdir, references, tmp_path, model_name, world, micro, sync
+):
     out = tmp_path / "run"
     args = ["--model", str(workdir / model_name), "--dataset", str(workdir / "data.jsonl"),
             "--micro-batch", str(micro), "--sync", sync, "--output-dir", str(out), *COMMON]  # fmt: skip
