@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -9,7 +10,7 @@ import typer
 from typer.core import TyperCommand
 
 from accum_cli import policy
-from accum_cli.config import build_config
+from accum_cli.config import FIELD_NAMES, build_config
 from accum_cli.errors import EXIT_USAGE, UserError
 from accum_cli.runtime import env_rank, exit_process
 
@@ -25,6 +26,10 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
 
 class OneLineErrors(TyperCommand):
     """Click's usage errors (unknown flag, `--micro-batch abc`) as one line, exit code 2."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta["raw_args"] = list(args)  # the launcher wrapper forwards them to its workers
+        return super().parse_args(ctx, args)
 
     def main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
@@ -53,6 +58,7 @@ Opt = typer.Option
 
 @app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def main(
+    ctx: typer.Context,
     model: Annotated[
         Optional[str], Opt(help="Model folder (save_pretrained) or hub id. Default: the embedded tiny Llama.")
     ] = None,
@@ -111,16 +117,48 @@ def main(
     recipe: Annotated[
         Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")
     ] = None,
+    replicas: Annotated[
+        Optional[int], Opt(help="HSDP: model replicas, each sharded over world size / replicas ranks.  [default: 1]")
+    ] = None,
+    activation_checkpointing: Annotated[
+        Optional[bool],
+        Opt(
+            "--activation-checkpointing/--no-activation-checkpointing",
+            help="Recompute layer activations in backward.  [default: the accelerate config's, else no]",
+        ),
+    ] = None,
     plan: Annotated[bool, Opt("--plan", help="Print the plan for --world-size and exit without training.")] = False,
     world_size: Annotated[Optional[int], Opt(help="World size to plan for (with --plan only).")] = None,
+    nproc: Annotated[
+        Optional[int],
+        Opt(help="Start N worker processes on this machine through Accelerate's launcher.", rich_help_panel="Launch"),
+    ] = None,
+    nnodes: Annotated[int, Opt(help="Machines taking part (with --nproc).", rich_help_panel="Launch")] = 1,
+    node_rank: Annotated[int, Opt(help="This machine's rank, 0..nnodes-1.", rich_help_panel="Launch")] = 0,
+    master_addr: Annotated[
+        str, Opt(help="Address of the machine with node rank 0.", rich_help_panel="Launch")
+    ] = "127.0.0.1",
+    master_port: Annotated[
+        int, Opt(help="Free TCP port on the machine with node rank 0.", rich_help_panel="Launch")
+    ] = 29500,
+    accelerate_config: Annotated[
+        Optional[str],
+        Opt(help="Accelerate config file for the workers (see recipes/accelerate/).", rich_help_panel="Launch"),
+    ] = None,
 ) -> None:
     """Train, or with --plan print the batch plan and exit.
 
     Example: accum-train --global-batch 2048 --micro-batch 4
     """
-    overrides = {k: v for k, v in locals().items() if k not in ("recipe", "plan", "world_size")}
+    overrides = {k: v for k, v in locals().items() if k in FIELD_NAMES}
+    wants_launch = nproc is not None or accelerate_config is not None
     try:
         cfg = build_config(recipe, overrides)
+        if wants_launch:
+            if plan:
+                raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")
+            launch(cfg, ctx.meta["raw_args"], nproc, nnodes, node_rank, master_addr, master_port, accelerate_config)
+            return
         if world_size is not None and not plan:
             raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
         if plan:
@@ -139,6 +177,21 @@ def main(
             fail(f"non-finite values: {exc}", EXIT_NONFINITE)
     except UserError as exc:
         fail(str(exc))
+
+
+def launch(cfg, raw_args, nproc, nnodes, node_rank, master_addr, master_port, accelerate_config) -> None:
+    """The wrapper: check what can be checked here, then start the workers via Accelerate."""
+    from accum_cli import launcher
+    from accum_cli.train import preflight
+
+    if "RANK" in os.environ:
+        raise UserError("--nproc starts its own workers; do not combine it with torchrun or accelerate launch")
+    spec = launcher.Launch(nproc, nnodes, node_rank, master_addr, master_port, accelerate_config).validate()
+    preflight(cfg, spec.world_size)
+    forwarded = launcher.worker_args(raw_args)
+    code = launcher.run(spec, launcher.mixed_precision_for(cfg.precision, spec), forwarded)
+    if code:
+        raise SystemExit(code)
 
 
 def entry() -> None:

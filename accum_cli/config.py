@@ -61,7 +61,18 @@ class TrainConfig:
     sync: str = policy.AUTO
     """When gradients are reduced: auto, every, last, last-keep-params."""
     precision: str = "auto"
-    """auto (bf16 params with fp32 reduction on CUDA, fp32 on CPU), bf16 or fp32."""
+    """auto (the accelerate config's mixed_precision if launched by it, else bf16 on CUDA and
+    fp32 on CPU), bf16 (bf16 params, fp32 gradient reduction) or fp32."""
+    replicas: int = 1
+    """HSDP: data-parallel replicas; each shards the model over world_size / replicas ranks."""
+    reshard_after_forward: bool | None = None
+    """Free gathered parameters after forward (None: the accelerate config's, else True)."""
+    activation_checkpointing: bool | None = None
+    """Recompute decoder-layer activations in backward (None: the accelerate config's, else False)."""
+    offload_params: bool | None = None
+    """CUDA only: keep sharded parameters and optimizer state in CPU memory (None: accelerate config's)."""
+    rank0_loading: bool | None = None
+    """Load the weights on rank 0 only and broadcast them; Accelerate's fsdp_cpu_ram_efficient_loading."""
     device_memory_gib: float | None = None
     """Memory per rank the auto sync policy may plan with. None: read it from the device."""
     output_dir: str = "runs/accum-train"
@@ -72,7 +83,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
         problems: list[str] = []
-        for name in ("global_batch", "micro_batch", "warmup_steps", "seed"):
+        for name in ("global_batch", "micro_batch", "warmup_steps", "seed", "replicas"):
             minimum = 0 if name in ("warmup_steps", "seed") else 1
             if getattr(self, name) < minimum:
                 problems.append(f"--{_flag(name)} must be >= {minimum}, got {getattr(self, name)}")
@@ -97,6 +108,8 @@ class TrainConfig:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
+        if self.sync == policy.HSDP_DEFER and self.replicas < 2:
+            problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:
             raise UserError("; ".join(problems))
         return self

@@ -50,6 +50,8 @@ def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
         model.set_requires_gradient_sync(is_last)
     if sync == policy.LAST_KEEP_PARAMS:
         model.set_reshard_after_backward(is_last)
+    if sync == policy.HSDP_DEFER:
+        model.set_requires_all_reduce(is_last)
 
 
 def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int]:

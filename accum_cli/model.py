@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from accum_cli.errors import UserError
+from accum_cli.sharding import ShardSettings
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded" / "model"
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -123,22 +124,57 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
-def shard(model: nn.Module, mesh, bf16: bool) -> nn.Module:
-    """fully_shard each decoder layer, then the root; gradients are summed, never averaged."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
+    """fully_shard each decoder layer, then the root; gradients are summed, never averaged.
+
+    On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
+    if settings.activation_checkpointing:
+        # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"mesh": mesh, "reshard_after_forward": settings.reshard_after_forward}
+    if settings.bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if settings.offload_params:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     # The loss is already divided by the global loss-token count, so FSDP must sum across
     # ranks instead of averaging. The divide factor is per module (not recursive). Gloo has
     # no PREMUL_SUM, so there the factor 1.0 also needs forced SUM reductions (DESIGN.md).
-    force_sum = dist.get_backend(mesh.get_group()) == "gloo"
+    force_sum = dist.get_backend() == "gloo"
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             if force_sum:
                 module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:
+    """The sharded model on every rank, its weights read once per rank or once in all."""
+    if not (settings.rank0_loading and rt.world_size > 1):
+        return shard(load_model(source, config, cfg.trust_remote_code, cfg.seed), mesh, settings)
+    from transformers import AutoModelForCausalLM
+
+    # Only rank 0 holds the full weights in CPU memory; the others shard an empty (meta)
+    # model and receive their shards by broadcast.
+    if rt.is_main:
+        model = load_model(source, config, cfg.trust_remote_code, cfg.seed)
+        full_state = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        model.train()
+        full_state = {}
+    shard(model, mesh, settings)
+    if not rt.is_main:
+        model.to_empty(device="cpu" if settings.offload_params else rt.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    # Buffers that are not in the state dict (rotary inv_freq) come from rank 0 as well.
+    for _, buffer in model.named_buffers():
+        dist.broadcast(buffer, src=0)
     return model
 
 

@@ -6,6 +6,9 @@ memory figures are per rank, in bytes, from a simple model of FSDP2 with AdamW:
 - sharded training state: fp32 master params, fp32 grads and two Adam moments = 16 B/param / W
 - `last` also holds the whole model's unsharded gradients between microbatches
 - `last-keep-params` also holds the unsharded parameters between microbatches
+- with HSDP (`replicas` > 1) the state is sharded over world_size / replicas ranks only;
+  `hsdp-defer` reduce-scatters inside a replica every microbatch and all-reduces across
+  replicas once per step, so it holds no more than `every`
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from accum_cli.plan import Plan
 EVERY = "every"
 LAST = "last"
 LAST_KEEP_PARAMS = "last-keep-params"
+HSDP_DEFER = "hsdp-defer"
 AUTO = "auto"
-POLICIES = (AUTO, EVERY, LAST, LAST_KEEP_PARAMS)
+POLICIES = (AUTO, EVERY, LAST, LAST_KEEP_PARAMS, HSDP_DEFER)
 
 # `last` is chosen only when its extra memory fits in this share of what is left on the
 # device after the sharded state: activations and allocator slack need the rest.
@@ -53,15 +57,28 @@ def extra_bytes(policy: str, size: ModelSize) -> int:
     return 0
 
 
-def collectives_per_step(policy: str, accum_steps: int) -> str:
+def collectives_per_step(policy: str, accum_steps: int, replicas: int = 1) -> str:
     a = accum_steps
+    across = replicas > 1
     if policy == EVERY:
-        return f"{2 * a} all-gathers, {a} reduce-scatters"
+        return f"{2 * a} all-gathers, {a} reduce-scatters" + (f", {a} all-reduces across replicas" if across else "")
     if policy == LAST:
-        return f"{2 * a} all-gathers, 1 reduce-scatter"
+        return f"{2 * a} all-gathers, 1 reduce-scatter" + (", 1 all-reduce across replicas" if across else "")
     if policy == LAST_KEEP_PARAMS:
-        return f"{a + 1} all-gathers, 1 reduce-scatter"
+        return f"{a + 1} all-gathers, 1 reduce-scatter" + (", 1 all-reduce across replicas" if across else "")
+    if policy == HSDP_DEFER:
+        return f"{2 * a} all-gathers, {a} reduce-scatters in a replica, 1 all-reduce across replicas"
     raise ValueError(policy)
+
+
+def shard_size(plan: Plan, replicas: int) -> int:
+    """Ranks one copy of the model is sharded over."""
+    if replicas < 1 or plan.world_size % replicas:
+        raise UserError(
+            f"--replicas {replicas} does not divide the world size {plan.world_size}; "
+            f"use a divisor of {plan.world_size}"
+        )
+    return plan.world_size // replicas
 
 
 def validate(policy: str) -> str:
@@ -70,15 +87,19 @@ def validate(policy: str) -> str:
     return policy
 
 
-def choose(requested: str, plan: Plan, size: ModelSize, device_memory_bytes: int) -> Decision:
-    """Resolve the requested policy; `auto` picks `last` when its extra memory fits comfortably."""
+def choose(requested: str, plan: Plan, size: ModelSize, device_memory_bytes: int, replicas: int = 1) -> Decision:
+    """Resolve the requested policy; `auto` picks `last` when its extra memory fits comfortably,
+    else the lean policy: `hsdp-defer` on a 2-D mesh, `every` otherwise."""
     validate(requested)
+    shards = shard_size(plan, replicas)
+    if requested == HSDP_DEFER and replicas < 2:
+        raise UserError("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
     if requested != AUTO:
         return Decision(requested, "as requested")
     if plan.world_size == 1 or plan.accum_steps == 1:
         why = "one rank" if plan.world_size == 1 else "one microbatch per step"
         return Decision(LAST, f"{why}: nothing to defer, so no extra memory and no extra traffic")
-    left = device_memory_bytes - sharded_state_bytes(size, plan.world_size)
+    left = device_memory_bytes - sharded_state_bytes(size, shards)
     need = extra_bytes(LAST, size)
     budget = int(max(left, 0) * COMFORT_SHARE)
     numbers = (
@@ -87,22 +108,30 @@ def choose(requested: str, plan: Plan, size: ModelSize, device_memory_bytes: int
     )
     if need <= budget:
         return Decision(LAST, f"{numbers}: fits, so reduce once per step")
+    if replicas > 1:
+        return Decision(
+            HSDP_DEFER, f"{numbers}: too tight, so reduce-scatter in a replica every microbatch, all-reduce once"
+        )
     return Decision(EVERY, f"{numbers}: too tight, so reduce-scatter every microbatch")
 
 
-def describe(plan: Plan, size: ModelSize, device_memory_bytes: int) -> list[str]:
+def describe(plan: Plan, size: ModelSize, device_memory_bytes: int, replicas: int = 1) -> list[str]:
     """The sync-policy table with this model's numbers (per rank)."""
-    state = sharded_state_bytes(size, plan.world_size)
+    shards = shard_size(plan, replicas)
+    state = sharded_state_bytes(size, shards)
+    mesh = f"{replicas} replicas x {shards} shards" if replicas > 1 else f"{shards} ranks"
     lines = [
         f"model             {size.n_params:,} parameters, {size.compute_bytes} B each in compute",
-        f"sharded state     {_gib(state)} per rank (params, grads, AdamW moments over {plan.world_size})",
+        f"sharded state     {_gib(state)} per rank (params, grads, AdamW moments over {mesh})",
         f"device memory     {_gib(device_memory_bytes)} per rank",
     ]
-    for policy in (EVERY, LAST, LAST_KEEP_PARAMS):
+    for policy in (EVERY, LAST, LAST_KEEP_PARAMS, HSDP_DEFER):
+        if policy == HSDP_DEFER and replicas < 2:
+            continue
         extra = extra_bytes(policy, size)
         lines.append(
             f"  {policy:<17} +{_gib(extra):>10} held between microbatches; "
-            f"{collectives_per_step(policy, plan.accum_steps)} per step"
+            f"{collectives_per_step(policy, plan.accum_steps, replicas)} per step"
         )
     return lines
 

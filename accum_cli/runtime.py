@@ -34,8 +34,12 @@ class Runtime:
     def backend(self) -> str:
         return dist.get_backend()
 
-    def mesh(self) -> DeviceMesh:
-        return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
+    def mesh(self, replicas: int = 1) -> DeviceMesh:
+        """1-D for FSDP; (replicas, shards) for HSDP: sharded inside a replica, replicated across."""
+        if replicas == 1:
+            return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
+        shape = (replicas, self.world_size // replicas)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def env_rank() -> int:

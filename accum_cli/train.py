@@ -8,15 +8,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from accum_cli import data, optim, policy, runtime
+from accum_cli import data, optim, policy, runtime, sharding
 from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.loop import train_step
 from accum_cli.metrics import Reporter, print_lines
 from accum_cli.plan import Plan
+from accum_cli.sharding import ShardSettings
 
 EMBEDDED_SEQ_LEN = 128
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -39,14 +41,6 @@ def resolve_seq_len(cfg: TrainConfig, model_config) -> int:
 def model_size(model_config, cfg: TrainConfig, bf16: bool) -> policy.ModelSize:
     n_params = modeling.count_parameters(model_config, cfg.trust_remote_code)
     return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
-
-
-def use_bf16(cfg: TrainConfig, device_type: str) -> bool:
-    if cfg.precision == "auto":
-        return device_type == "cuda"
-    if cfg.precision == "bf16" and device_type != "cuda":
-        raise UserError("--precision bf16 needs a CUDA device; use --precision fp32 on CPU")
-    return cfg.precision == "bf16"
 
 
 def check_output_dir(cfg: TrainConfig) -> Path:
@@ -72,15 +66,15 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     seq_len = resolve_seq_len(cfg, model_config)
-    bf16 = cfg.precision == "bf16"
+    bf16 = cfg.precision != "fp32"  # planning for a cluster: CUDA with bf16 unless told otherwise
     size = model_size(model_config, cfg, bf16)
     memory, where = _planning_memory(cfg)
-    decision = policy.choose(cfg.sync, plan, size, memory)
+    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
     print_lines(plan.describe(seq_len), "plan")
     print_lines(
         [
-            *policy.describe(plan, size, memory),
-            f"(device memory {where})",
+            *policy.describe(plan, size, memory, cfg.replicas),
+            f"(device memory {where}; {'bf16' if bf16 else 'fp32'} compute)",
             f"chosen: {decision.policy} — {decision.reason}",
         ],
         f"sync policy ({cfg.sync})",
@@ -105,25 +99,41 @@ class Setup:
     decision: policy.Decision
     size: policy.ModelSize
     total_steps: int
-    bf16: bool
+    settings: ShardSettings
     output_dir: Path
+
+
+def preflight(cfg: TrainConfig, world_size: int | None):
+    """The cheap checks that need no process group: run by the launcher wrapper before it
+    starts any worker, and by every worker before any collective, so all ranks fail alike."""
+    out = check_output_dir(cfg)
+    if world_size is not None:
+        plan = Plan(cfg.global_batch, cfg.micro_batch, world_size)
+        if cfg.strict_batch:
+            plan.require_divisible()
+        policy.shard_size(plan, cfg.replicas)
+    source = modeling.resolve_source(cfg.model)
+    model_config = modeling.load_config(source, cfg.trust_remote_code)
+    seq_len = resolve_seq_len(cfg, model_config)
+    local = cfg.dataset is not None and cfg.dataset.startswith((".", "/", "~"))
+    if local and not Path(cfg.dataset).expanduser().exists():
+        raise UserError(f"--dataset {cfg.dataset} does not exist; pass an existing file, folder or hub id")
+    return out, source, model_config, seq_len
 
 
 def setup(cfg: TrainConfig) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
-    out = check_output_dir(cfg)
-    source = modeling.resolve_source(cfg.model)
-    model_config = modeling.load_config(source, cfg.trust_remote_code)
-    seq_len = resolve_seq_len(cfg, model_config)
+    out, source, model_config, seq_len = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     raw = data.load_raw(cfg.dataset, cfg.trust_remote_code)
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     data.check_raw(raw, tokenizer, cfg.text_column)
+    settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
     rt = runtime.start()
     plan = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size)
-    if cfg.strict_batch:
-        plan.require_divisible()
-    bf16 = use_bf16(cfg, rt.device.type)
+    if not settings.rank0_loading:
+        # transformers reads this too, and would leave ranks > 0 with empty (meta) weights
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     # Rank 0 tokenises first; the others then read the datasets cache instead of redoing it.
     if not rt.is_main:
         dist.barrier()
@@ -143,11 +153,13 @@ def setup(cfg: TrainConfig) -> Setup:
                 f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; shorten the rows"
             )
         seq_len = longest
-    size = model_size(model_config, cfg, bf16)
+    size = model_size(model_config, cfg, settings.bf16)
     memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
-    decision = policy.choose(cfg.sync, plan, size, memory)
+    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
-    return Setup(rt, plan, seq_len, dataset, tokenizer, model_config, source, decision, size, total_steps, bf16, out)
+    return Setup(
+        rt, plan, seq_len, dataset, tokenizer, model_config, source, decision, size, total_steps, settings, out
+    )
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -163,15 +175,20 @@ def run(cfg: TrainConfig) -> dict:
                 f"model             {s.source.name}: {s.size.n_params:,} parameters"
                 + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
                 f"data              {len(s.dataset):,} sequences; {s.total_steps} optimizer steps",
-                f"device            {rt.device.type} x {rt.world_size} ({rt.backend}), "
-                f"{'bf16 params, fp32 reduction' if s.bf16 else 'fp32'}",
+                f"device            {rt.device.type} x {rt.world_size} ({rt.backend})"
+                + (
+                    f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards"
+                    if cfg.replicas > 1
+                    else ""
+                ),
+                f"sharding          {s.settings.describe()}",
                 f"sync policy       {s.decision.policy} ({s.decision.reason})",
+                *(f"note              {note}" for note in s.settings.notes),
             ],
             "run",
         )
 
-    model = modeling.load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed)
-    model = modeling.shard(model, rt.mesh(), s.bf16)
+    model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
 

@@ -149,7 +149,7 @@ class AccumTrain:
         import datasets
         import numpy as np
 
-        from accum_cli import data, model as modeling, optim
+        from accum_cli import data, model as modeling, optim, sharding
         from accum_cli.plan import Plan
 
         class InOrder(data.SampleOrder):
@@ -161,7 +161,8 @@ class AccumTrain:
         self.cfg = train_config(args)
         self.plan = Plan(args.global_batch, args.micro_batch, args.nproc)
         self.rank, self.sync, self.device = rank, sync, torch.device("cpu")
-        self.model = modeling.shard(build_model(args), mesh, bf16=False)
+        # The settings the product derives from this config on CPU (fp32, reshard after forward).
+        self.model = modeling.shard(build_model(args), mesh, sharding.resolve(self.cfg, "cpu"))
         self.optimizer, self.scheduler = optim.build(self.model, self.cfg, total_steps=10**6)
         # A real Arrow-backed dataset, read the way the product reads its data every step.
         datasets.disable_progress_bars()

@@ -1,5 +1,6 @@
 """defaults < recipe < CLI flags, each layer tested; recipes shipped in recipes/ all load."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,29 @@ def test_validation_collects_every_problem():
     assert "--global-batch" in message and "--lr" in message and "--sync" in message
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES.rglob("*.yaml")), ids=lambda p: p.name)
-def test_every_recipe_loads_and_names_its_command(recipe):
-    first = recipe.read_text().splitlines()[0]
-    assert first.startswith("# ") and ("accum-train" in first or "accelerate" in first or "sbatch" in first), first
-    if "accelerate" in recipe.parts:
-        return  # Accelerate's own config format
-    build_config(str(recipe), {})
+RECIPE_FILES = sorted(p for p in RECIPES.rglob("*") if p.suffix in (".yaml", ".sbatch"))
+
+
+def test_the_recipe_collection_is_complete():
+    names = {p.relative_to(RECIPES).as_posix() for p in RECIPE_FILES}
+    assert {"embedded.yaml", "accelerate/cpu-2proc.yaml", "slurm/train.sbatch"} <= names
+    assert any(n.startswith("accelerate/gpu-8") for n in names) and any("multi-node" in n for n in names)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_FILES, ids=lambda p: p.relative_to(RECIPES).as_posix())
+def test_every_recipe_loads_and_starts_with_its_command(recipe):
+    lines = [line for line in recipe.read_text().splitlines() if not line.startswith("#!")]
+    command = lines[0]
+    assert command.startswith("# "), "the first comment is the command that runs the recipe"
+    assert command.split()[1] in ("accum-train", "accelerate", "sbatch"), command
+    assert str(recipe.relative_to(RECIPES.parent)) in command, "the command names this very file"
+    if recipe.suffix == ".sbatch":
+        subprocess.run(["bash", "-n", str(recipe)], check=True)
+    elif "accelerate" in recipe.parts:
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        config = load_config_from_file(str(recipe))
+        assert config.distributed_type in ("FSDP", "MULTI_GPU", "MULTI_CPU", "NO")
+    else:
+        cfg = build_config(str(recipe), {})
+        assert cfg.global_batch >= 1

@@ -105,29 +105,35 @@ def assert_same_training(out: Path, ref: dict) -> None:
 
 
 CASES = [
-    # (model, world size, micro batch, sync) -- G=13 makes every layout ragged; W=2, m=2 gives
-    # rank 1 an empty last microbatch (7/6 samples: [2,2,2,1] and [2,2,2,0]).
-    ("model", 1, 1, "every"),
-    ("model", 1, 3, "last"),
-    ("model", 2, 2, "every"),
-    ("model", 2, 2, "last"),
-    ("model", 2, 3, "every"),
-    ("model", 2, 3, "last"),
-    ("model", 2, 3, "last-keep-params"),
-    ("model-tied", 1, 3, "every"),
-    ("model-tied", 2, 3, "last"),
-    ("model-tied", 2, 2, "every"),
+    # (model, world size, micro batch, sync, extra flags) -- G=13 makes every layout ragged;
+    # W=2, m=2 gives rank 1 an empty last microbatch (7/6 samples: [2,2,2,1] and [2,2,2,0]).
+    ("model", 1, 1, "every", []),
+    ("model", 1, 3, "last", []),
+    ("model", 2, 2, "every", []),
+    ("model", 2, 2, "last", []),
+    ("model", 2, 3, "every", []),
+    ("model", 2, 3, "last", []),
+    ("model", 2, 3, "last-keep-params", []),
+    ("model", 2, 3, "last", ["--activation-checkpointing"]),
+    ("model", 4, 2, "hsdp-defer", ["--replicas", "2"]),  # HSDP 2 replicas x 2 shards
+    ("model", 4, 1, "every", ["--replicas", "2"]),
+    ("model-tied", 1, 3, "every", []),
+    ("model-tied", 2, 3, "last", []),
+    ("model-tied", 2, 2, "every", []),
+    ("model-tied", 4, 2, "hsdp-defer", ["--replicas", "2"]),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("model_name, world, micro, sync", CASES)
+@pytest.mark.parametrize(
+    "model_name, world, micro, sync, extra", CASES, ids=lambda v: " ".join(v) if isinstance(v, list) else str(v)
+)
 def test_accumulated_sharded_training_equals_one_big_batch(
-    workdir, references, tmp_path, model_name, world, micro, sync
+    workdir, references, tmp_path, model_name, world, micro, sync, extra
 ):
     out = tmp_path / "run"
     args = ["--model", str(workdir / model_name), "--dataset", str(workdir / "data.jsonl"),
-            "--micro-batch", str(micro), "--sync", sync, "--output-dir", str(out), *COMMON]  # fmt: skip
+            "--micro-batch", str(micro), "--sync", sync, "--output-dir", str(out), *COMMON, *extra]  # fmt: skip
     result = run_cli(args, nproc=world)
     assert result.returncode == 0, result.stdout + result.stderr
     assert_same_training(out, references[model_name])

@@ -1,0 +1,124 @@
+"""`accum-train --nproc N ...`: start the worker processes through Accelerate's own launcher.
+
+The wrapper builds an `accelerate launch` command line, hands it to Accelerate's Python API
+(`launch_command_parser` / `launch_command`), and forwards every other flag unchanged to
+`python -m accum_cli` in each worker. Accelerate picks torch's elastic launcher for N > 1;
+on a machine without CUDA, ACCELERATE_USE_CPU=1 keeps `--multi_gpu` from meaning GPUs
+(`accelerate launch --cpu --num_processes N` would start one process: DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from accum_cli.errors import UserError
+
+# Wrapper flags and whether they take a value; they are not forwarded to the workers.
+WRAPPER_FLAGS = {
+    "--nproc": True,
+    "--nnodes": True,
+    "--node-rank": True,
+    "--master-addr": True,
+    "--master-port": True,
+    "--accelerate-config": True,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    nproc: int | None  # processes on this machine; None: the accelerate config's num_processes
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    accelerate_config: str | None = None
+
+    def validate(self) -> Launch:
+        if self.nproc is not None and self.nproc < 1:
+            raise UserError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise UserError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank must lie in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if not 0 < self.master_port < 65536:
+            raise UserError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
+        if self.accelerate_config and not Path(self.accelerate_config).is_file():
+            raise UserError(
+                f"--accelerate-config {self.accelerate_config} does not exist; pass a file from recipes/accelerate/"
+            )
+        if self.nproc is None and not self.accelerate_config:
+            raise UserError("pass --nproc N (or --accelerate-config FILE) to start worker processes")
+        return self
+
+    @property
+    def world_size(self) -> int | None:
+        return None if self.nproc is None else self.nproc * self.nnodes
+
+
+def worker_args(raw_args: list[str]) -> list[str]:
+    """The user's flags minus the wrapper's own."""
+    forwarded, skip = [], False
+    for arg in raw_args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in WRAPPER_FLAGS:
+            skip = WRAPPER_FLAGS[name] and "=" not in arg
+            continue
+        forwarded.append(arg)
+    return forwarded
+
+
+def accelerate_args(launch: Launch, mixed_precision: str | None, forwarded: list[str]) -> list[str]:
+    args: list[str] = []
+    if launch.accelerate_config:
+        args += ["--config_file", launch.accelerate_config]
+    if launch.nproc is not None:
+        total = launch.nproc * launch.nnodes
+        args += ["--num_processes", str(total), "--num_machines", str(launch.nnodes)]
+        if total > 1 and not launch.accelerate_config:
+            args.append("--multi_gpu")  # torch's elastic launcher; CPU workers thanks to ACCELERATE_USE_CPU
+    if launch.nnodes > 1 or launch.nproc is not None:
+        args += ["--machine_rank", str(launch.node_rank)]
+    args += ["--main_process_ip", launch.master_addr, "--main_process_port", str(launch.master_port)]
+    if mixed_precision is not None:
+        args += ["--mixed_precision", mixed_precision]
+    if not launch.accelerate_config:
+        args += ["--dynamo_backend", "no"]
+    return [*args, "-m", "accum_cli", *forwarded]
+
+
+def mixed_precision_for(precision: str, launch: Launch) -> str | None:
+    """Our --precision in Accelerate's words; None lets an accelerate config decide."""
+    if precision == "auto":
+        if launch.accelerate_config:
+            return None
+        import torch
+
+        return "bf16" if torch.cuda.is_available() else "no"
+    return {"bf16": "bf16", "fp32": "no"}[precision]
+
+
+def run(launch: Launch, mixed_precision: str | None, forwarded: list[str]) -> int:
+    """Start the workers and wait; the exit code is the first failing worker's."""
+    import torch
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    if not torch.cuda.is_available():
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+    args = launch_command_parser().parse_args(accelerate_args(launch, mixed_precision, forwarded))
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as exc:  # one process: Accelerate's simple launcher
+        return exc.returncode or 1
+    except Exception as exc:  # torch elastic's ChildFailedError carries each worker's exit code
+        failures = getattr(exc, "failures", None)
+        if not failures:
+            raise
+        first = failures[min(failures)]
+        return first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
+    return 0

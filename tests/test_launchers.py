@@ -1,0 +1,143 @@
+"""Every way to start accum-train gives the same training (DESIGN.md invariant 1).
+
+Real launchers in subprocesses on CPU: `accelerate launch` with an Accelerate config,
+the `--nproc` wrapper (Accelerate's launcher underneath), and two "nodes" on one machine
+rendezvousing on 127.0.0.1. Each run's metrics.jsonl and final weights are compared with
+a single-process run of the same command.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import BIN, REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch")
+    save_tiny_model(root / "model")
+    write_ragged_tokens(root / "data.jsonl", n_rows=24)
+    return root
+
+
+def common(setup, out, global_batch: int = 11) -> list[str]:
+    return ["--model", str(setup / "model"), "--dataset", str(setup / "data.jsonl"), "--global-batch",
+            str(global_batch), "--micro-batch", "2", "--max-steps", "3", "--lr", "3e-3", "--warmup-steps", "1",
+            "--output-dir", str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    result = run_cli(common(setup, out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def assert_same_run(out, expected) -> None:
+    got, want = read_metrics(out), read_metrics(expected)
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1, 2]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss_tokens"] == w["loss_tokens"]
+        assert rel_err(g["loss"], w["loss"]) < TOL and rel_err(g["grad_norm"], w["grad_norm"]) < TOL
+        assert g["lr"] == w["lr"]
+    a, b = load_file(out / "final/model.safetensors"), load_file(expected / "final/model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert rel_err(a[name], b[name]) < TOL, name
+
+
+def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_accelerate_launch_with_a_cpu_fsdp_config(setup, single, tmp_path):
+    """Two processes started by `accelerate launch`; the config's fsdp_cpu_ram_efficient_loading
+    is honoured (weights read on rank 0 and broadcast)."""
+    out = tmp_path / "run"
+    result = run(
+        [str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu-2proc.yaml",
+         "--main_process_port", str(free_port()), "-m", "accum_cli", *common(setup, out)]
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cpu x 2 (gloo)" in result.stdout
+    assert "weights loaded on rank 0 and broadcast" in result.stdout
+    assert_same_run(out, single)
+
+
+@pytest.fixture(scope="module")
+def wrapper_run(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("wrapper") / "run"
+    result = run(
+        [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()), *common(setup, out)]
+    )
+    return out, result
+
+
+def test_the_wrapper_starts_real_gloo_ranks(single, wrapper_run):
+    out, result = wrapper_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cpu x 2 (gloo)" in result.stdout
+    assert result.stdout.count("── plan") == 1
+    assert_same_run(out, single)
+
+
+def test_two_nodes_on_one_machine_equal_the_single_node_run(setup, wrapper_run, tmp_path):
+    """Two wrapper invocations, one process each, machine ranks 0 and 1, rendezvous on 127.0.0.1."""
+    single_node, _ = wrapper_run
+    out, port = tmp_path / "run", str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accum_cli",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                *common(setup, out),
+            ],
+            cwd=REPO,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stdout + stderr
+    assert "cpu x 2 (gloo)" in outputs[0][0]
+    assert "── plan" not in outputs[1][0], "only global rank 0 reports"
+    assert_same_run(out, single_node)
+
+
+def test_the_wrapper_refuses_bad_launch_flags_before_starting_anything(setup, tmp_path):
+    out = tmp_path / "run"
+    for flags, message in [
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--nproc", "2", "--node-rank", "1"], "--node-rank must lie in 0..0"),
+        (["--nproc", "4", "--global-batch", "3"], "smaller than the world size 4"),  # the last flag wins
+        (["--nproc", "3", "--replicas", "2"], "--replicas 2 does not divide the world size 3"),
+        (["--nproc", "2", "--plan"], "--plan does not start processes"),
+        (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml does not exist"),
+    ]:
+        result = run([sys.executable, "-m", "accum_cli", *common(setup, out), *flags], timeout=60)
+        assert result.returncode == 2, (flags, result.stdout + result.stderr)
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr, result.stderr
+        assert not out.exists()

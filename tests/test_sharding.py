@@ -1,0 +1,95 @@
+"""Shard settings: our flags, else the launching Accelerate config (parsed by Accelerate), else defaults."""
+
+import pytest
+
+from accum_cli import launcher, sharding
+from accum_cli.config import TrainConfig
+from accum_cli.errors import UserError
+
+ACCELERATE_FSDP = {
+    "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_RESHARD_AFTER_FORWARD": "false",
+    "FSDP_OFFLOAD_PARAMS": "true",
+    "FSDP_ACTIVATION_CHECKPOINTING": "true",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+}
+
+
+@pytest.fixture
+def accelerate_env(monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+
+    def apply(values):
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+
+    return apply
+
+
+def test_defaults_without_a_launcher(accelerate_env):
+    assert sharding.resolve(TrainConfig(), "cpu") == sharding.ShardSettings(source="flags and defaults")
+    assert sharding.resolve(TrainConfig(), "cuda").bf16
+
+
+def test_accelerate_fsdp_settings_are_honoured(accelerate_env):
+    accelerate_env(ACCELERATE_FSDP)
+    on_gpu = sharding.resolve(TrainConfig(), "cuda")
+    assert (on_gpu.bf16, on_gpu.reshard_after_forward, on_gpu.offload_params) == (False, False, True)
+    assert on_gpu.activation_checkpointing and on_gpu.rank0_loading and not on_gpu.notes
+    on_cpu = sharding.resolve(TrainConfig(), "cpu")
+    assert not on_cpu.offload_params
+    assert on_cpu.notes == ("offload_params has no effect on CPU: the parameters already live there",)
+
+
+def test_flags_override_the_accelerate_config(accelerate_env):
+    accelerate_env(ACCELERATE_FSDP | {"ACCELERATE_MIXED_PRECISION": "bf16"})
+    cfg = TrainConfig(precision="fp32", activation_checkpointing=False, reshard_after_forward=True, rank0_loading=False)
+    settings = sharding.resolve(cfg, "cuda")
+    assert not settings.bf16 and not settings.activation_checkpointing
+    assert settings.reshard_after_forward and not settings.rank0_loading
+
+
+@pytest.mark.parametrize(
+    "precision, device, bf16, note",
+    [
+        ("bf16", "cuda", True, None),
+        ("bf16", "cpu", False, "mixed_precision bf16 needs CUDA"),
+        ("fp16", "cuda", True, "mixed_precision fp16 is not supported"),
+        ("no", "cuda", False, None),
+    ],
+)
+def test_accelerate_mixed_precision(accelerate_env, precision, device, bf16, note):
+    accelerate_env({"ACCELERATE_MIXED_PRECISION": precision})
+    settings = sharding.resolve(TrainConfig(), device)
+    assert settings.bf16 == bf16
+    assert (note is None and not settings.notes) or note in settings.notes[0]
+
+
+def test_what_cannot_be_honoured_is_said(accelerate_env):
+    accelerate_env({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"})
+    settings = sharding.resolve(TrainConfig(), "cpu")
+    assert not settings.reshard_after_forward
+    assert any("always shards with FSDP2" in n for n in settings.notes)
+    with pytest.raises(UserError, match="--precision bf16 needs a CUDA device"):
+        sharding.resolve(TrainConfig(precision="bf16"), "cpu")
+
+
+def test_the_wrapper_forwards_everything_but_its_own_flags():
+    raw = ["--nproc", "2", "--global-batch", "64", "--master-port=1234", "--nnodes", "1", "--sync", "last",
+           "--accelerate-config", "x.yaml", "--node-rank", "0", "--master-addr", "10.0.0.1"]  # fmt: skip
+    assert launcher.worker_args(raw) == ["--global-batch", "64", "--sync", "last"]
+
+
+def test_the_wrapper_speaks_accelerate_launch():
+    spec = launcher.Launch(nproc=4, nnodes=2, node_rank=1, master_addr="10.1.1.1", master_port=1234)
+    args = launcher.accelerate_args(spec, "bf16", ["--global-batch", "64"])
+    from accelerate.commands.launch import launch_command_parser
+
+    parsed = launch_command_parser().parse_args(args)
+    assert (parsed.num_processes, parsed.num_machines, parsed.machine_rank) == (8, 2, 1)
+    assert (parsed.main_process_ip, parsed.main_process_port, parsed.mixed_precision) == ("10.1.1.1", 1234, "bf16")
+    assert parsed.multi_gpu and parsed.module and parsed.training_script == "accum_cli"
+    assert parsed.training_script_args == ["--global-batch", "64"]
