@@ -14,7 +14,7 @@ from accum_cli.config import FIELD_NAMES, build_config
 from accum_cli.errors import EXIT_USAGE, UserError
 from accum_cli.runtime import env_rank, exit_process
 
-EXIT_NONFINITE = 3
+EXIT_NONFINITE = 3  # a NaN/inf loss or gradient norm with --on-nonfinite abort
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> None:
@@ -24,10 +24,22 @@ def fail(message: str, code: int = EXIT_USAGE) -> None:
     raise SystemExit(code)
 
 
+def with_resume_value(args: list[str]) -> list[str]:
+    """`--resume` alone means the latest checkpoint in --output-dir (click has no optional values)."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--resume" and (following is None or following.startswith("-")):
+            out.append("latest")
+    return out
+
+
 class OneLineErrors(TyperCommand):
     """Click's usage errors (unknown flag, `--micro-batch abc`) as one line, exit code 2."""
 
     def parse_args(self, ctx, args):
+        args = with_resume_value(list(args))
         ctx.meta["raw_args"] = list(args)  # the launcher wrapper forwards them to its workers
         return super().parse_args(ctx, args)
 
@@ -108,6 +120,17 @@ def main(
     device_memory_gib: Annotated[
         Optional[float], Opt(help="Memory per rank for the auto sync policy.  [default: read from the device]")
     ] = None,
+    checkpoint_every: Annotated[
+        Optional[int],
+        Opt(help="Write a sharded checkpoint every N optimizer steps (always at the end and on SIGTERM/SIGINT)."),
+    ] = None,
+    keep_checkpoints: Annotated[Optional[int], Opt(help="Keep the latest K checkpoints.  [default: 2]")] = None,
+    resume: Annotated[
+        Optional[str], Opt(help="Continue from a checkpoint: alone, the latest in --output-dir; or a checkpoint PATH.")
+    ] = None,
+    on_nonfinite: Annotated[
+        Optional[str], Opt(help="NaN/inf loss or grad norm: abort (exit 3) or skip the step.  [default: abort]")
+    ] = None,
     output_dir: Annotated[
         Optional[str], Opt(help="Where metrics.jsonl, config.json and final/ go.  [default: runs/accum-train]")
     ] = None,
@@ -157,7 +180,8 @@ def main(
         if wants_launch:
             if plan:
                 raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")
-            launch(cfg, ctx.meta["raw_args"], nproc, nnodes, node_rank, master_addr, master_port, accelerate_config)
+            spec = (nproc, nnodes, node_rank, master_addr, master_port, accelerate_config)
+            launch(cfg, resume, ctx.meta["raw_args"], *spec)
             return
         if world_size is not None and not plan:
             raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
@@ -169,17 +193,22 @@ def main(
             plan_only(cfg, world_size or 1)
             return
         from accum_cli.loop import NonFiniteError
-        from accum_cli.train import run
+        from accum_cli.signals import EXIT_PREEMPTED
+        from accum_cli.train import Preempted, run
 
         try:
-            run(cfg)
+            run(cfg, resume)
         except NonFiniteError as exc:
-            fail(f"non-finite values: {exc}", EXIT_NONFINITE)
+            fail(f"non-finite values at {exc}; the last checkpoint is untouched", EXIT_NONFINITE)
+        except Preempted as exc:
+            if env_rank() == 0:
+                print(f"accum-train: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as exc:
         fail(str(exc))
 
 
-def launch(cfg, raw_args, nproc, nnodes, node_rank, master_addr, master_port, accelerate_config) -> None:
+def launch(cfg, resume, raw_args, nproc, nnodes, node_rank, master_addr, master_port, accelerate_config) -> None:
     """The wrapper: check what can be checked here, then start the workers via Accelerate."""
     from accum_cli import launcher
     from accum_cli.train import preflight
@@ -187,7 +216,7 @@ def launch(cfg, raw_args, nproc, nnodes, node_rank, master_addr, master_port, ac
     if "RANK" in os.environ:
         raise UserError("--nproc starts its own workers; do not combine it with torchrun or accelerate launch")
     spec = launcher.Launch(nproc, nnodes, node_rank, master_addr, master_port, accelerate_config).validate()
-    preflight(cfg, spec.world_size)
+    preflight(cfg, spec.world_size, resume)
     forwarded = launcher.worker_args(raw_args)
     code = launcher.run(spec, launcher.mixed_precision_for(cfg.precision, spec), forwarded)
     if code:
@@ -204,3 +233,32 @@ def entry() -> None:
     except KeyboardInterrupt:
         code = 130
     exit_process(code)
+
+
+export_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+@export_app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+def export_main(
+    checkpoint: Annotated[
+        str,
+        typer.Argument(help="A checkpoint folder (OUTPUT_DIR/checkpoints/step-XXXXXX) or an output dir (its latest)."),
+    ],
+    out: Annotated[str, typer.Argument(help="New or empty folder for the Hugging Face model.")],
+    trust_remote_code: Annotated[bool, Opt("--trust-remote-code", help="Run code shipped with the model.")] = False,
+) -> None:
+    """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
+    from pathlib import Path
+
+    from accum_cli.checkpoint import export
+
+    try:
+        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code)
+    except UserError as exc:
+        fail(str(exc))
+    print(f"exported {checkpoint} -> {target}")
+
+
+def export_entry() -> None:
+    """Console script `accum-export`."""
+    export_app(prog_name="accum-export")

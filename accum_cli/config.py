@@ -17,6 +17,7 @@ from accum_cli.errors import UserError
 
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
+NONFINITE_ACTIONS = ("abort", "skip")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,6 +76,12 @@ class TrainConfig:
     """Load the weights on rank 0 only and broadcast them; Accelerate's fsdp_cpu_ram_efficient_loading."""
     device_memory_gib: float | None = None
     """Memory per rank the auto sync policy may plan with. None: read it from the device."""
+    checkpoint_every: int | None = None
+    """Write a sharded checkpoint every N optimizer steps (always at the end and on SIGTERM/SIGINT)."""
+    keep_checkpoints: int = 2
+    """Keep the latest K checkpoints."""
+    on_nonfinite: str = "abort"
+    """A NaN/inf loss or gradient norm: abort (exit 3, last checkpoint untouched) or skip the step."""
     output_dir: str = "runs/accum-train"
     """Where metrics.jsonl, config.json and final/ are written."""
     overwrite: bool = False
@@ -108,6 +115,14 @@ class TrainConfig:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            problems.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            problems.append(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            problems.append(
+                f"--on-nonfinite {self.on_nonfinite!r} is unknown; use one of: {', '.join(NONFINITE_ACTIONS)}"
+            )
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:

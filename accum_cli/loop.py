@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -31,6 +32,7 @@ class StepResult:
     tokens: int  # global, padding excluded
     grad_norm: float  # total L2 norm before clipping
     lr: float  # the learning rate this step used
+    skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,6 +63,19 @@ def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple
     return loss_tokens, tokens
 
 
+def where_nonfinite(mb_losses: list[torch.Tensor], device: torch.device) -> str:
+    """Collective, on the failure path only: the first rank and microbatch whose loss is not finite."""
+    bad = (~torch.isfinite(torch.stack(mb_losses))).nonzero()
+    first = int(bad[0, 0]) + 1 if len(bad) else 0
+    per_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    per_rank[dist.get_rank()] = first
+    per_rank = all_reduce_sum(per_rank).tolist()
+    for rank, index in enumerate(per_rank):
+        if index:
+            return f"non-finite loss in microbatch {index - 1} on rank {rank}"
+    return "the loss is finite in every microbatch but the gradient norm is not"
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -70,29 +85,33 @@ def train_step(
     grad_clip: float,
     device: torch.device,
     step: int = 0,
+    on_nonfinite: str = "abort",
 ) -> StepResult:
     loss_tokens, tokens = global_counts(microbatches, device)
     if loss_tokens == 0:
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    mb_losses = []  # kept on the device: no host sync per microbatch
     for index, mb in enumerate(microbatches):
         set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
         mb = mb.to(device)
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         mb_loss_sum = token_loss_sum(logits, mb.labels)
         (mb_loss_sum / loss_tokens).backward()
-        loss_sum += mb_loss_sum.detach()
+        mb_losses.append(mb_loss_sum.detach())
 
-    loss = all_reduce_sum(loss_sum).item() / loss_tokens
+    loss = all_reduce_sum(torch.stack(mb_losses).sum()).item() / loss_tokens
     max_norm = grad_clip if grad_clip > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"step {step}: loss {loss}, grad norm {grad_norm}; nothing was applied")
+        if on_nonfinite == "skip":
+            scheduler.step()  # the schedule follows the step count, applied or not
+            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True)
+        raise NonFiniteError(f"step {step}: {where_nonfinite(mb_losses, device)}; loss {loss}, grad norm {grad_norm}")
 
-    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

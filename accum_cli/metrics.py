@@ -29,9 +29,12 @@ def peak_memory_gib(device: torch.device) -> float:
 class Reporter:
     """Writes metrics.jsonl and shows progress; a no-op object on ranks other than 0."""
 
-    def __init__(self, output_dir: Path | None, total_steps: int, device: torch.device, enabled: bool):
+    def __init__(
+        self, output_dir: Path | None, total_steps: int, device: torch.device, enabled: bool, start_step: int = 0
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
+        self.start_step = start_step
         self.device = device
         self.started = time.perf_counter()
         self.console = Console(stderr=False, highlight=False)
@@ -52,7 +55,7 @@ class Reporter:
                 console=self.console,
             )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps, status="")
+            self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step, status="")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -75,12 +78,14 @@ class Reporter:
             "elapsed_s": time.perf_counter() - self.started,
             "peak_mem_gib": peak_memory_gib(self.device),
         }
+        if result.skipped:
+            record["skipped"] = True
         self.last = record
         if not self.enabled:
             return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        status = (
+        status = ("SKIPPED (non-finite)  " if result.skipped else "") + (
             f"loss {result.loss:.4f}  lr {result.lr:.2e}  gnorm {result.grad_norm:.3f}  "
             f"{record['tokens_per_s']:,.0f} tok/s"
         )
@@ -92,11 +97,19 @@ class Reporter:
 
     def _should_log(self, step: int) -> bool:
         every = max(1, self.total_steps // 20)
-        return step < 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
+        return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
 
     def info(self, line: str = "") -> None:
         if self.enabled:
             print(line, flush=True)
+
+
+def keep_metrics_before(output_dir: Path, step: int) -> None:
+    """On resume: drop the records of steps after the checkpoint; they are about to be redone."""
+    path = output_dir / "metrics.jsonl"
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
 
 
 def print_lines(lines: list[str], title: str) -> None:

@@ -76,13 +76,13 @@ def load_config(source: ModelSource, trust_remote_code: bool):
     return config
 
 
-def count_parameters(config, trust_remote_code: bool) -> int:
-    """Parameter count without allocating weights (meta device); tied weights counted once."""
+def parameter_shapes(config, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes without allocating weights (meta device); tied weights once."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return sum(p.numel() for p in model.parameters())
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) -> nn.Module:

@@ -64,11 +64,15 @@ class Plan:
         full = [self.micro_batch] * (self.accum_steps - 1)
         return [*full, n - sum(full)]
 
-    def microbatch_range(self, step: int, rank: int, micro: int) -> range:
-        """Global sample indices read by `rank` in microbatch `micro` of optimizer step `step`."""
+    def microbatch_range(self, step: int, rank: int, micro: int, first_sample: int | None = None) -> range:
+        """Global sample indices read by `rank` in microbatch `micro` of optimizer step `step`.
+
+        A step starts at global sample step*G, or at `first_sample` when a resumed run
+        continues from a data position saved under another global batch."""
         if not 0 <= micro < self.accum_steps:
             raise ValueError(f"microbatch {micro} outside 0..{self.accum_steps - 1}")
-        start = step * self.global_batch + self.rank_offset(rank) + micro * self.micro_batch
+        step_start = step * self.global_batch if first_sample is None else first_sample
+        start = step_start + self.rank_offset(rank) + micro * self.micro_batch
         return range(start, start + self.microbatch_sizes(rank)[micro])
 
     def nearest_valid_global_batches(self) -> tuple[int, int]:

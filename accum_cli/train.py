@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -11,14 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accum_cli import data, optim, policy, runtime, sharding
+from accum_cli import checkpoint, data, optim, policy, runtime, sharding
 from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, print_lines
+from accum_cli.metrics import Reporter, keep_metrics_before, print_lines
 from accum_cli.plan import Plan
 from accum_cli.sharding import ShardSettings
+from accum_cli.signals import StopRequest
 
 EMBEDDED_SEQ_LEN = 128
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -38,21 +40,25 @@ def resolve_seq_len(cfg: TrainConfig, model_config) -> int:
     return cfg.seq_len
 
 
-def model_size(model_config, cfg: TrainConfig, bf16: bool) -> policy.ModelSize:
-    n_params = modeling.count_parameters(model_config, cfg.trust_remote_code)
+def model_size(shapes: dict[str, tuple[int, ...]], bf16: bool) -> policy.ModelSize:
+    n_params = sum(math.prod(shape) for shape in shapes.values())
     return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
 
 
-def check_output_dir(cfg: TrainConfig) -> Path:
+def check_output_dir(cfg: TrainConfig, resuming: bool = False) -> Path:
     """Refuse before any work: an unwritable place, or a previous run we would clobber."""
     out = Path(cfg.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {out} is a file; pass a folder")
-    if (out / "config.json").exists() and not cfg.overwrite:
-        raise UserError(f"--output-dir {out} holds a previous run; pass --overwrite or another --output-dir")
+    if (out / "config.json").exists() and not (cfg.overwrite or resuming):
+        raise UserError(
+            f"--output-dir {out} holds a previous run; pass --resume to continue it, --overwrite, or another --output-dir"
+        )
     existing = out
     while not existing.exists():
         existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--output-dir {out} cannot be created: {existing} is a file; pick another folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--output-dir {out} cannot be written (no permission on {existing}); pick another folder")
     return out
@@ -67,7 +73,7 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     seq_len = resolve_seq_len(cfg, model_config)
     bf16 = cfg.precision != "fp32"  # planning for a cluster: CUDA with bf16 unless told otherwise
-    size = model_size(model_config, cfg, bf16)
+    size = model_size(modeling.parameter_shapes(model_config, cfg.trust_remote_code), bf16)
     memory, where = _planning_memory(cfg)
     decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
     print_lines(plan.describe(seq_len), "plan")
@@ -98,15 +104,18 @@ class Setup:
     source: modeling.ModelSource
     decision: policy.Decision
     size: policy.ModelSize
+    fingerprint: str
     total_steps: int
     settings: ShardSettings
     output_dir: Path
+    resume: checkpoint.Meta | None
 
 
-def preflight(cfg: TrainConfig, world_size: int | None):
+def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
     """The cheap checks that need no process group: run by the launcher wrapper before it
     starts any worker, and by every worker before any collective, so all ranks fail alike."""
-    out = check_output_dir(cfg)
+    out = check_output_dir(cfg, resuming=resume is not None)
+    meta = checkpoint.resolve_resume(resume, out)
     if world_size is not None:
         plan = Plan(cfg.global_batch, cfg.micro_batch, world_size)
         if cfg.strict_batch:
@@ -118,12 +127,18 @@ def preflight(cfg: TrainConfig, world_size: int | None):
     local = cfg.dataset is not None and cfg.dataset.startswith((".", "/", "~"))
     if local and not Path(cfg.dataset).expanduser().exists():
         raise UserError(f"--dataset {cfg.dataset} does not exist; pass an existing file, folder or hub id")
-    return out, source, model_config, seq_len
+    shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
+    if meta is not None and meta.fingerprint != checkpoint.fingerprint(shapes):
+        raise UserError(
+            f"--resume {meta.path} was saved from a different model (other parameter names or shapes); "
+            "pass the --model it was trained with"
+        )
+    return out, meta, source, model_config, seq_len, shapes
 
 
-def setup(cfg: TrainConfig) -> Setup:
+def setup(cfg: TrainConfig, resume: str | None) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
-    out, source, model_config, seq_len = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
     raw = data.load_raw(cfg.dataset, cfg.trust_remote_code)
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     data.check_raw(raw, tokenizer, cfg.text_column)
@@ -153,37 +168,65 @@ def setup(cfg: TrainConfig) -> Setup:
                 f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; shorten the rows"
             )
         seq_len = longest
-    size = model_size(model_config, cfg, settings.bf16)
+    size = model_size(shapes, settings.bf16)
     memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
     decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
+    if meta is not None and meta.step >= total_steps:
+        raise UserError(
+            f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
+        )
     return Setup(
-        rt, plan, seq_len, dataset, tokenizer, model_config, source, decision, size, total_steps, settings, out
-    )
+        rt, plan, seq_len, dataset, tokenizer, model_config, source, decision, size,
+        checkpoint.fingerprint(shapes), total_steps, settings, out, meta,
+    )  # fmt: skip
 
 
-def run(cfg: TrainConfig) -> dict:
+class Preempted(Exception):
+    """Every rank agreed to stop after a signal; a checkpoint was saved."""
+
+
+def describe_resume(meta: checkpoint.Meta, plan: Plan) -> list[str]:
+    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed)"]
+    before = (meta.world_size, meta.micro_batch)
+    now = (plan.world_size, plan.micro_batch)
+    if before != now:
+        lines.append(
+            f"layout changed   world size {meta.world_size} -> {plan.world_size}, "
+            f"micro batch {meta.micro_batch} -> {plan.micro_batch}"
+        )
+    if meta.global_batch == plan.global_batch:
+        lines.append(
+            f"unchanged        global batch {plan.global_batch} and the data order (seed {meta.seed}): "
+            "the same training as an uninterrupted run"
+        )
+    else:
+        lines.append(
+            f"global batch     changed {meta.global_batch} -> {plan.global_batch}: the data continues at "
+            f"sample {meta.samples:,}, but the steps differ from an uninterrupted run"
+        )
+    return lines
+
+
+def run(cfg: TrainConfig, resume: str | None = None) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
-    s = setup(cfg)
-    rt = s.rt
+    s = setup(cfg, resume)
+    rt, plan = s.rt, s.plan
     if rt.is_main:
-        print_lines(s.plan.describe(s.seq_len), "plan")
+        print_lines(plan.describe(s.seq_len), "plan")
+        mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
         print_lines(
             [
                 f"model             {s.source.name}: {s.size.n_params:,} parameters"
                 + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
                 f"data              {len(s.dataset):,} sequences; {s.total_steps} optimizer steps",
-                f"device            {rt.device.type} x {rt.world_size} ({rt.backend})"
-                + (
-                    f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards"
-                    if cfg.replicas > 1
-                    else ""
-                ),
+                f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
                 f"sharding          {s.settings.describe()}",
                 f"sync policy       {s.decision.policy} ({s.decision.reason})",
                 *(f"note              {note}" for note in s.settings.notes),
+                *(describe_resume(s.resume, plan) if s.resume else []),
             ],
             "run",
         )
@@ -191,35 +234,53 @@ def run(cfg: TrainConfig) -> dict:
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
+    start_step, first_sample = 0, 0
+    if s.resume is not None:
+        seconds = checkpoint.load(s.resume, model, optimizer, scheduler)
+        start_step, first_sample = s.resume.step, s.resume.samples
+        if rt.is_main:
+            print(f"checkpoint loaded in {seconds:.2f} s", flush=True)
 
     if rt.is_main:
-        s.output_dir.mkdir(parents=True, exist_ok=True)
-        (s.output_dir / "metrics.jsonl").unlink(missing_ok=True)
-        resolved = cfg.to_dict() | {"seq_len": s.seq_len}
-        record = {
-            "config": resolved,
-            "plan": {
-                "global_batch": s.plan.global_batch,
-                "micro_batch": s.plan.micro_batch,
-                "world_size": s.plan.world_size,
-                "accum_steps": s.plan.accum_steps,
-                "rank_samples": [s.plan.rank_samples(r) for r in range(rt.world_size)],
-                "sync": s.decision.policy,
-                "sync_reason": s.decision.reason,
-                "total_steps": s.total_steps,
-            },
-        }
-        (s.output_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        _write_run_record(s, cfg, start_step)
     dist.barrier()
 
-    with Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main) as reporter:
-        for step in range(s.total_steps):
+    def save_checkpoint(step: int, samples: int) -> Path:
+        layout = {"global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
+                  "world_size": plan.world_size, "seed": cfg.seed}  # fmt: skip
+        path, seconds = checkpoint.save(
+            s.output_dir, step, samples, model, optimizer, scheduler, layout, s.fingerprint,
+            s.model_config, s.tokenizer, cfg.keep_checkpoints, rt.is_main,
+        )  # fmt: skip
+        if rt.is_main:
+            print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
+        return path
+
+    with StopRequest() as stop, Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main, start_step) as reporter:
+        samples = first_sample
+        for step in range(start_step, s.total_steps):
             started = time.perf_counter()
-            microbatches = [reader.read(s.plan.microbatch_range(step, rt.rank, j)) for j in range(s.plan.accum_steps)]
+            microbatches = [
+                reader.read(plan.microbatch_range(step, rt.rank, j, first_sample=samples))
+                for j in range(plan.accum_steps)
+            ]
             result = train_step(
-                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step
-            )
+                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
+                cfg.on_nonfinite,
+            )  # fmt: skip
+            samples += plan.global_batch
             reporter.step(step, result, time.perf_counter() - started)
+            done = step + 1
+            if stop.agreed(rt.device):
+                path = save_checkpoint(done, samples)
+                waited = time.monotonic() - stop.received_at if stop.received_at else 0.0
+                raise Preempted(
+                    f"stopped by {stop.signal_name or 'a signal on another rank'} after step {done} "
+                    f"({waited:.2f} s after the signal); resume with --resume (checkpoint {path})"
+                )
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
+                save_checkpoint(done, samples)
+        save_checkpoint(s.total_steps, samples)
         modeling.save_final(model, s.tokenizer, s.output_dir / "final", rt.is_main)
         summary = reporter.last or {}
         if rt.is_main:
@@ -234,6 +295,29 @@ def run(cfg: TrainConfig) -> dict:
                 "done",
             )
     return summary
+
+
+def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
+    s.output_dir.mkdir(parents=True, exist_ok=True)
+    if s.resume is not None:
+        keep_metrics_before(s.output_dir, start_step)
+    else:
+        (s.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    record = {
+        "config": cfg.to_dict() | {"seq_len": s.seq_len},
+        "plan": {
+            "global_batch": s.plan.global_batch,
+            "micro_batch": s.plan.micro_batch,
+            "world_size": s.plan.world_size,
+            "accum_steps": s.plan.accum_steps,
+            "rank_samples": [s.plan.rank_samples(r) for r in range(s.plan.world_size)],
+            "sync": s.decision.policy,
+            "sync_reason": s.decision.reason,
+            "total_steps": s.total_steps,
+        },
+        "resumed_from": str(s.resume.path) if s.resume else None,
+    }
+    (s.output_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _pad_id(s: Setup) -> int:
