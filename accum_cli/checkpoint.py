@@ -6,8 +6,8 @@ Layout of `OUTPUT_DIR/checkpoints/step-XXXXXX/`:
 - `rng-rankN.safetensors`: each rank's RNG state (tensors only, no pickle).
 - `config.json` and tokenizer files: the model's, so the checkpoint exports on its own.
 - `meta.json`, written last: step, data position (global samples consumed), the LR
-  scheduler, the layout it was saved with, the model's fingerprint, and the SHA-256 of DCP's
-  `.metadata` file. DCP unpickles that file on load, so it is verified first: a checkpoint
+  scheduler, the layout it was saved with, the model's fingerprint, the size of every shard
+  (a torn copy is refused up front) and the SHA-256 of DCP's `.metadata` file. DCP unpickles that file on load, so it is verified first: a checkpoint
   that this tool did not write completely is refused before anything is unpickled.
 
 A checkpoint is written under a hidden temporary name and renamed when complete, so a crash
@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from accum_cli.errors import UserError
@@ -51,6 +52,7 @@ class Meta:
     fingerprint: str
     scheduler: dict
     metadata_sha256: str
+    shard_bytes: dict  # DCP file name -> size: a torn or missing shard is caught before loading
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -105,6 +107,12 @@ def read_meta(path: Path, flag: str = "--resume") -> Meta:
             f"{flag} {path} is corrupt: its DCP .metadata is missing or does not match {META}; "
             "resume an earlier checkpoint"
         )
+    for name, size in meta.shard_bytes.items():
+        shard = path / name
+        if not shard.is_file() or shard.stat().st_size != size:
+            raise UserError(
+                f"{flag} {path} is corrupt: shard {name} is missing or truncated; resume an earlier checkpoint"
+            )
     return meta
 
 
@@ -162,6 +170,7 @@ def save(
             "fingerprint": model_fingerprint,
             "scheduler": scheduler.state_dict(),
             "metadata_sha256": _sha256(tmp / ".metadata"),
+            "shard_bytes": {p.name: p.stat().st_size for p in sorted(tmp.glob("*.distcp"))},
         }
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=2)
@@ -189,7 +198,7 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer, schedul
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=str(meta.path))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UserError(f"--resume {meta.path} could not be read ({first}); resume an earlier checkpoint") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accum_cli.errors import UserError
+from accum_cli.signals import EXIT_PREEMPTED
 
 # Wrapper flags and whether they take a value; they are not forwarded to the workers.
 WRAPPER_FLAGS = {
@@ -115,7 +116,12 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str]) -> in
         launch_command(args)
     except subprocess.CalledProcessError as exc:  # one process: Accelerate's simple launcher
         return exc.returncode or 1
-    except Exception as exc:  # torch elastic's ChildFailedError carries each worker's exit code
+    except Exception as exc:
+        if type(exc).__name__ == "SignalException":
+            # The launcher was signalled (SIGTERM from Slurm, Ctrl-C) and has forwarded the
+            # signal to the workers, which stopped at a step boundary and saved a checkpoint.
+            return EXIT_PREEMPTED
+        # torch elastic's ChildFailedError carries each worker's exit code
         failures = getattr(exc, "failures", None)
         if not failures:
             raise

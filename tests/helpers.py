@@ -67,9 +67,14 @@ def env(threads: int = 1) -> dict[str, str]:
     return e
 
 
-def run_cli(args: list[str], nproc: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    """accum-train as users start it: `python -m accum_cli` for one process, torchrun for more."""
-    if nproc == 1:
+def run_cli(
+    args: list[str], nproc: int = 1, timeout: float = 300, wrapper: bool = False
+) -> subprocess.CompletedProcess:
+    """accum-train as users start it: `python -m accum_cli` for one process, torchrun for more,
+    or the --nproc wrapper (which passes the workers' exit code through)."""
+    if wrapper:
+        cmd = [sys.executable, "-m", "accum_cli", "--nproc", str(nproc), "--master-port", str(free_port()), *args]
+    elif nproc == 1:
         cmd = [sys.executable, "-m", "accum_cli", *args]
     else:
         cmd = [

@@ -1,0 +1,142 @@
+"""Bad input: one line naming the problem and the fix, exit code 2, no traceback, nothing
+written. Table-driven through the real command (Typer's CliRunner, in process)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, env, save_tiny_model, write_ragged_tokens
+from typer.testing import CliRunner
+
+from accum_cli.cli import app
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad")
+    f = {"root": root}
+    f["tiny"] = save_tiny_model(root / "tiny")
+    (root / "no-config").mkdir()
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        root / "vit"
+    )
+    (root / "content.jsonl").write_text('{"content": "hello"}\n')
+    (root / "empty.jsonl").write_text("")
+    (root / "small.txt").write_text("just a few words of text\n")
+    write_ragged_tokens(root / "tokens.jsonl", n_rows=12)
+    (root / "a-file").write_text("x")
+    (root / "unknown-key.yaml").write_text("global_batch: 8\nmicro_bach: 2\n")
+    (root / "wrong-type.yaml").write_text("global_batch: lots\n")
+    (root / "bad.yaml").write_text("global_batch: [\n")
+
+    # A real checkpoint of the tiny model, and broken copies of it.
+    run = root / "trained"
+    result = subprocess.run(
+        [sys.executable, "-m", "accum_cli", "--model", str(f["tiny"]), "--dataset", str(root / "tokens.jsonl"),
+         "--global-batch", "4", "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(run)],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    good = run / "checkpoints" / "step-000001"
+    f["ckpt"] = good
+    f["incomplete"] = root / "incomplete"
+    shutil.copytree(good, f["incomplete"])
+    (f["incomplete"] / "meta.json").unlink()
+    f["corrupt-meta"] = root / "corrupt-meta"
+    shutil.copytree(good, f["corrupt-meta"])
+    (f["corrupt-meta"] / "meta.json").write_text("{not json")
+    f["tampered"] = root / "tampered"
+    shutil.copytree(good, f["tampered"])
+    with open(f["tampered"] / ".metadata", "ab") as handle:
+        handle.write(b"appended by someone else")
+    f["torn-shard"] = root / "torn-shard"
+    shutil.copytree(good, f["torn-shard"])
+    shard = next(f["torn-shard"].glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:64])
+    return f
+
+
+# (flags, part of the one-line message); {name} refers to the `files` fixture.
+CASES = [
+    (["--global-batch", "0"], "--global-batch must be >= 1"),
+    (["--micro-batch", "-3"], "--micro-batch must be >= 1"),
+    (["--micro-batch", "abc"], "Invalid value for '--micro-batch'"),
+    (["--global-batch", "2.5"], "Invalid value for '--global-batch'"),
+    (["--plan", "--global-batch", "4", "--world-size", "8"], "smaller than the world size 8"),
+    (["--plan", "--strict-batch", "--global-batch", "100", "--micro-batch", "8", "--world-size", "4"],
+     "--strict-batch: global batch 100 is not a multiple of micro batch x world size = 8 x 4; use --global-batch 96 or 128"),
+    (["--plan", "--replicas", "3", "--world-size", "4"], "--replicas 3 does not divide the world size 4"),
+    (["--model", "/definitely/not/here"], "--model /definitely/not/here does not exist"),
+    (["--model", "{no-config}"], "has no config.json; pass a folder written by save_pretrained"),
+    (["--model", "{vit}"], "is not a causal language model"),
+    (["--model", "{a-file}"], "is a file; pass the folder written by save_pretrained"),
+    (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl does not exist"),
+    (["--dataset", "{content.jsonl}"], "has no column 'text' (columns: content); pass --text-column NAME"),
+    (["--dataset", "{empty.jsonl}"], "empty"),
+    (["--dataset", "{small.txt}"], "lower --seq-len or add data"),
+    (["--dataset", "{tokens.jsonl}", "--model", "{tiny}", "--global-batch", "64"],
+     "the dataset holds 12 sequences"),
+    (["--seq-len", "5000"], "--seq-len 5000 exceeds the model's maximum of 1024 positions"),
+    (["--output-dir", "{a-file}/out"], "is a file; pick another folder"),
+    (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint does not exist"),
+    (["--resume"], "--resume: no complete checkpoint in"),
+    (["--model", "{tiny}", "--resume", "{incomplete}"], "is incomplete (no meta.json"),
+    (["--model", "{tiny}", "--resume", "{corrupt-meta}"], "meta.json is corrupt"),
+    (["--model", "{tiny}", "--resume", "{tampered}"], "is corrupt: its DCP .metadata is missing or does not match"),
+    (["--model", "{tiny}", "--dataset", "{tokens.jsonl}", "--global-batch", "4", "--resume", "{torn-shard}"],
+     "is corrupt: shard __0_0.distcp is missing or truncated"),
+    (["--resume", "{ckpt}"], "was saved from a different model"),
+    (["--recipe", "{unknown-key.yaml}"], "unknown key 'micro_bach'"),
+    (["--recipe", "{wrong-type.yaml}"], "key 'global_batch' must be int, got str 'lots'"),
+    (["--recipe", "{bad.yaml}"], "is not valid YAML"),
+    (["--recipe", "/no/recipe.yaml"], "recipe /no/recipe.yaml does not exist"),
+    (["--world-size", "4"], "--world-size only applies with --plan"),
+    (["--nproc", "2", "--plan"], "--plan does not start processes"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--lr", "-1e-3"], "--lr must be a positive number"),
+    (["--sync", "sometimes"], "--sync 'sometimes' is unknown; use one of: auto, every, last"),
+    (["--sync", "hsdp-defer"], "--sync hsdp-defer needs --replicas 2 or more"),
+    (["--precision", "bf16"], "--precision bf16 needs a CUDA device"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore' is unknown"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
+    (["--bogus-flag"], "No such option: --bogus-flag"),
+]  # fmt: skip
+
+
+def expand(arg: str, files: dict[str, Path]) -> str:
+    for name, path in files.items():
+        arg = arg.replace("{" + name + "}", str(path))
+    if "{" in arg:  # a file of the fixture's root folder
+        arg = arg.replace("{", str(files["root"]) + "/").replace("}", "")
+    return arg
+
+
+@pytest.mark.parametrize("flags, message", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input(files, tmp_path, flags, message):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--output-dir", str(out), *(expand(f, files) for f in flags)])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("accum-train: error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in result.output
+    assert not out.exists(), "nothing is written on bad input"
+
+
+def test_the_table_covers_at_least_25_cases():
+    assert len(CASES) >= 25
+
+
+def test_a_checkpoint_survives_a_failed_resume(files):
+    before = {p.name: p.stat().st_mtime_ns for p in files["ckpt"].iterdir()}
+    result = CliRunner().invoke(app, ["--resume", str(files["ckpt"]), "--output-dir", str(files["root"] / "x")])
+    assert result.exit_code == 2
+    assert {p.name: p.stat().st_mtime_ns for p in files["ckpt"].iterdir()} == before
+    assert json.loads((files["ckpt"] / "meta.json").read_text())["step"] == 1
