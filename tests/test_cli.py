@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 from helpers import REPO, env, save_tiny_model
 from typer.testing import CliRunner
 
