@@ -78,6 +78,29 @@ def main(
         Optional[str],
         Opt(help="A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. Default: embedded corpus."),
     ] = None,
+    dataset_config: Annotated[Optional[str], Opt(help="Hub datasets: configuration (subset) name.")] = None,
+    split: Annotated[Optional[str], Opt(help="Hub datasets: the split to train on.  [default: train]")] = None,
+    packing: Annotated[
+        Optional[bool],
+        Opt(
+            "--packing/--no-packing",
+            help="Join documents with EOS into --seq-len blocks, or one document per row (truncated, padded per microbatch).  [default: packing for text, rows for chat/prompt-completion/tokens]",
+        ),
+    ] = None,
+    train_on_prompt: Annotated[
+        Optional[bool],
+        Opt(
+            "--train-on-prompt/--no-train-on-prompt",
+            help="Chat and prompt-completion data: count every token, not only the answers.  [default: no]",
+        ),
+    ] = None,
+    eval_dataset: Annotated[Optional[str], Opt(help="Dataset to evaluate on (same formats as --dataset).")] = None,
+    eval_split_ratio: Annotated[
+        Optional[float], Opt(help="Hold out this share of the training sequences for evaluation.")
+    ] = None,
+    eval_every: Annotated[
+        Optional[int], Opt(help="Evaluate every N optimizer steps (and at the end).  [default: at the end]")
+    ] = None,
     text_column: Annotated[Optional[str], Opt(help="Column with raw text.  [default: text]")] = None,
     trust_remote_code: Annotated[
         Optional[bool],
@@ -151,6 +174,9 @@ def main(
         ),
     ] = None,
     plan: Annotated[bool, Opt("--plan", help="Print the plan for --world-size and exit without training.")] = False,
+    prepare_only: Annotated[
+        bool, Opt("--prepare-only", help="Tokenise and cache the data, print its summary, and exit.")
+    ] = False,
     world_size: Annotated[Optional[int], Opt(help="World size to plan for (with --plan only).")] = None,
     nproc: Annotated[
         Optional[int],
@@ -197,7 +223,7 @@ def main(
         from accum_cli.train import Preempted, run
 
         try:
-            run(cfg, resume)
+            run(cfg, resume, prepare_only)
         except NonFiniteError as exc:
             fail(f"non-finite values at {exc}; the last checkpoint is untouched", EXIT_NONFINITE)
         except Preempted as exc:

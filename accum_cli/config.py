@@ -26,8 +26,23 @@ class TrainConfig:
     """Local folder written by save_pretrained, or a hub id. None: the embedded model."""
     dataset: str | None = None
     """A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. None: embedded corpus."""
+    dataset_config: str | None = None
+    """Hub datasets: the configuration (subset) name."""
+    split: str = "train"
+    """Hub datasets: the split to train on."""
     text_column: str = "text"
     """Column holding raw text (ignored for pre-tokenised data with an input_ids column)."""
+    packing: bool | None = None
+    """Join documents with EOS and cut them into seq_len blocks. None: yes for plain text,
+    no (one document per row, truncated to seq_len) for chat, prompt-completion and tokens."""
+    train_on_prompt: bool = False
+    """Chat and prompt-completion data: count every token in the loss, not only the answers."""
+    eval_dataset: str | None = None
+    """A dataset to evaluate on (same formats as --dataset)."""
+    eval_split_ratio: float = 0.0
+    """Hold out this share of the training sequences for evaluation (when no eval_dataset)."""
+    eval_every: int | None = None
+    """Evaluate every N optimizer steps (and at the end) when there is an eval set."""
     trust_remote_code: bool = False
     """Run code shipped with a model or dataset. Off unless asked."""
     seq_len: int | None = None
@@ -115,6 +130,12 @@ class TrainConfig:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
+        if not 0 <= self.eval_split_ratio < 1:
+            problems.append(f"--eval-split-ratio must lie in [0, 1), got {self.eval_split_ratio}")
+        if self.eval_dataset and self.eval_split_ratio:
+            problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
+        if self.eval_every is not None and self.eval_every < 1:
+            problems.append(f"--eval-every must be >= 1, got {self.eval_every}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             problems.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if self.keep_checkpoints < 1:

@@ -64,7 +64,7 @@ class Reporter:
         if self._file is not None:
             self._file.close()
 
-    def step(self, step: int, result: StepResult, step_seconds: float) -> dict:
+    def step(self, step: int, result: StepResult, step_seconds: float, extra: dict | None = None) -> dict:
         self.tokens_total += result.tokens
         record = {
             "step": step,
@@ -80,18 +80,23 @@ class Reporter:
         }
         if result.skipped:
             record["skipped"] = True
+        record.update(extra or {})
         self.last = record
         if not self.enabled:
             return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        status = ("SKIPPED (non-finite)  " if result.skipped else "") + (
-            f"loss {result.loss:.4f}  lr {result.lr:.2e}  gnorm {result.grad_norm:.3f}  "
-            f"{record['tokens_per_s']:,.0f} tok/s"
+        status = (
+            ("SKIPPED (non-finite)  " if result.skipped else "")
+            + (
+                f"loss {result.loss:.4f}  lr {result.lr:.2e}  gnorm {result.grad_norm:.3f}  "
+                f"{record['tokens_per_s']:,.0f} tok/s"
+            )
+            + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, status=status)
-        elif self._should_log(step):
+        elif self._should_log(step) or "eval_loss" in record:
             print(f"step {step + 1}/{self.total_steps}  {status}", flush=True)
         return record
 

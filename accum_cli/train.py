@@ -9,13 +9,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from accum_cli import checkpoint, data, optim, policy, runtime, sharding
+from accum_cli import checkpoint, data, optim, policy, prepare, runtime, sharding, sources
 from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
+from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
 from accum_cli.metrics import Reporter, keep_metrics_before, print_lines
 from accum_cli.plan import Plan
@@ -99,6 +101,9 @@ class Setup:
     plan: Plan
     seq_len: int
     dataset: object
+    eval_dataset: object | None
+    stats: prepare.Stats
+    tokenised_on: int  # ranks that had to tokenise (0: all read the cache)
     tokenizer: object
     model_config: object
     source: modeling.ModelSource
@@ -124,9 +129,8 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     seq_len = resolve_seq_len(cfg, model_config)
-    local = cfg.dataset is not None and cfg.dataset.startswith((".", "/", "~"))
-    if local and not Path(cfg.dataset).expanduser().exists():
-        raise UserError(f"--dataset {cfg.dataset} does not exist; pass an existing file, folder or hub id")
+    sources.check_exists(cfg.dataset)
+    sources.check_exists(cfg.eval_dataset, "--eval-dataset")
     shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
     if meta is not None and meta.fingerprint != checkpoint.fingerprint(shapes):
         raise UserError(
@@ -139,9 +143,13 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
 def setup(cfg: TrainConfig, resume: str | None) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
-    raw = data.load_raw(cfg.dataset, cfg.trust_remote_code)
+    raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
+    raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset") if cfg.eval_dataset else None
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
-    data.check_raw(raw, tokenizer, cfg.text_column)
+    options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt)
+    for rows in (raw, raw_eval):
+        if rows is not None:
+            prepare.check(rows, tokenizer, options)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
     rt = runtime.start()
@@ -149,23 +157,25 @@ def setup(cfg: TrainConfig, resume: str | None) -> Setup:
     if not settings.rank0_loading:
         # transformers reads this too, and would leave ranks > 0 with empty (meta) weights
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    # Rank 0 tokenises first; the others then read the datasets cache instead of redoing it.
-    if not rt.is_main:
-        dist.barrier()
-    dataset = data.prepare(raw, tokenizer, seq_len, cfg.text_column)
-    if rt.is_main:
-        dist.barrier()
+    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, dist.barrier)
+    tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
+    eval_dataset = None
+    if raw_eval is not None:
+        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, dist.barrier)
+    elif cfg.eval_split_ratio:
+        dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if len(dataset) < plan.global_batch:
         raise UserError(
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
             f"global batch of {plan.global_batch}; lower --global-batch or --seq-len, or add data"
         )
-    if data.is_pretokenised(dataset):
-        longest = max(len(r) for r in dataset["input_ids"])
+    if stats.format == "tokens":
+        longest = int(np.asarray(dataset["n_tokens"]).max())
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
             raise UserError(
-                f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; shorten the rows"
+                f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; "
+                "shorten the rows or pass --no-packing --seq-len N to truncate them"
             )
         seq_len = longest
     size = model_size(shapes, settings.bf16)
@@ -177,9 +187,20 @@ def setup(cfg: TrainConfig, resume: str | None) -> Setup:
             f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
         )
     return Setup(
-        rt, plan, seq_len, dataset, tokenizer, model_config, source, decision, size,
+        rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
         checkpoint.fingerprint(shapes), total_steps, settings, out, meta,
     )  # fmt: skip
+
+
+def split_for_eval(dataset, ratio: float, seed: int):
+    """Hold out a seeded share of the prepared sequences; at least one of each side."""
+    n = len(dataset)
+    held = min(max(1, round(n * ratio)), n - 1)
+    order = np.random.default_rng([seed, 0x5EED]).permutation(n)
+    return (
+        dataset.select(np.sort(order[held:]), keep_in_memory=True),
+        dataset.select(np.sort(order[:held]), keep_in_memory=True),
+    )
 
 
 class Preempted(Exception):
@@ -208,7 +229,7 @@ def describe_resume(meta: checkpoint.Meta, plan: Plan) -> list[str]:
     return lines
 
 
-def run(cfg: TrainConfig, resume: str | None = None) -> dict:
+def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
@@ -221,7 +242,15 @@ def run(cfg: TrainConfig, resume: str | None = None) -> dict:
             [
                 f"model             {s.source.name}: {s.size.n_params:,} parameters"
                 + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
-                f"data              {len(s.dataset):,} sequences; {s.total_steps} optimizer steps",
+                *s.stats.describe(plan.global_batch),
+                "tokenisation      "
+                + (
+                    f"done once (on {s.tokenised_on} of {rt.world_size} ranks) and cached"
+                    if s.tokenised_on
+                    else "read from the cache (prepared by an earlier run)"
+                ),  # fmt: skip
+                f"training          {s.total_steps} optimizer steps"
+                + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
                 f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
                 f"sharding          {s.settings.describe()}",
                 f"sync policy       {s.decision.policy} ({s.decision.reason})",
@@ -231,9 +260,21 @@ def run(cfg: TrainConfig, resume: str | None = None) -> dict:
             "run",
         )
 
+    if prepare_only:
+        return {"samples": s.stats.samples}
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
+    eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
+
+    def evaluate(done: int) -> dict:
+        if eval_reader is None:
+            return {}
+        if not (done == s.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+            return {}
+        loss, tokens = eval_loss(model, eval_reader, rt.rank, rt.world_size, plan.micro_batch, rt.device)
+        return {"eval_loss": loss, "eval_loss_tokens": tokens}
+
     start_step, first_sample = 0, 0
     if s.resume is not None:
         seconds = checkpoint.load(s.resume, model, optimizer, scheduler)
@@ -269,8 +310,9 @@ def run(cfg: TrainConfig, resume: str | None = None) -> dict:
                 cfg.on_nonfinite,
             )  # fmt: skip
             samples += plan.global_batch
-            reporter.step(step, result, time.perf_counter() - started)
             done = step + 1
+            seconds = time.perf_counter() - started
+            reporter.step(step, result, seconds, evaluate(done))
             if stop.agreed(rt.device):
                 path = save_checkpoint(done, samples)
                 waited = time.monotonic() - stop.received_at if stop.received_at else 0.0

@@ -21,7 +21,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def save_tiny_model(path: Path, tied: bool = False, seed: int = 1) -> Path:
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_model(path: Path, tied: bool = False, seed: int = 1, chat_template: str | None = None) -> Path:
     """A 2-layer Llama with real weights and the byte-level tokenizer, as save_pretrained writes it."""
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +47,9 @@ def save_tiny_model(path: Path, tied: bool = False, seed: int = 1) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
+    tokenizer = ByT5Tokenizer()
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -59,8 +67,8 @@ def write_ragged_tokens(path: Path, n_rows: int = 30, seed: int = 2) -> Path:
     return path
 
 
-def env(threads: int = 1) -> dict[str, str]:
-    e = dict(os.environ)
+def env(threads: int = 1, **extra: str) -> dict[str, str]:
+    e = dict(os.environ) | extra
     e.update(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
@@ -68,7 +76,7 @@ def env(threads: int = 1) -> dict[str, str]:
 
 
 def run_cli(
-    args: list[str], nproc: int = 1, timeout: float = 300, wrapper: bool = False
+    args: list[str], nproc: int = 1, timeout: float = 300, wrapper: bool = False, env_extra: dict | None = None
 ) -> subprocess.CompletedProcess:
     """accum-train as users start it: `python -m accum_cli` for one process, torchrun for more,
     or the --nproc wrapper (which passes the workers' exit code through)."""
@@ -86,7 +94,7 @@ def run_cli(
             "accum_cli",
             *args,
         ]
-    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:

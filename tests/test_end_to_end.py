@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 
-from accum_cli.data import embedded_documents
+from accum_cli.sources import embedded_documents
 
 pytestmark = pytest.mark.distributed
 
@@ -71,6 +71,6 @@ def test_a_previous_run_is_not_clobbered(tiny, tmp_path):
     assert run_cli(args).returncode == 0
     before = (out / "metrics.jsonl").read_text()
     again = run_cli(args)
-    assert again.returncode == 2 and "holds a previous run; pass --overwrite" in again.stderr
+    assert again.returncode == 2 and "holds a previous run; pass --resume to continue it, --overwrite" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
     assert run_cli([*args, "--overwrite"]).returncode == 0

@@ -1,0 +1,297 @@
+"""Real data: every source and format through the real CLI path, chat data exact under
+accumulation, tokenisation once, and a world-size-independent order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CHAT_TEMPLATE, read_metrics, rel_err, run_cli, save_tiny_model
+from typer.testing import CliRunner
+
+from accum_cli import prepare
+from accum_cli.cli import app
+from accum_cli.data import SampleOrder
+from accum_cli.plan import Plan
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "jolly",
+    "kings",
+]
+
+
+def sentence(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("m") / "model", chat_template=CHAT_TEMPLATE)
+
+
+def write_sources(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file kind, 12 documents each: name -> (path or glob, documents)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [sentence(i, 30 + i) for i in range(12)]
+    (root / "a.txt").write_text("\n\n".join(texts))
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (root / "a.json").write_text(json.dumps([{"text": t} for t in texts]))
+    (root / "a.csv").write_text("text\n" + "".join(f'"{t}"\n' for t in texts))
+    table = pa.table({"text": texts})
+    pq.write_table(table, root / "a.parquet")
+    with pa.ipc.new_stream(str(root / "a.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    (root / "folder").mkdir()
+    for i in range(3):
+        (root / "folder" / f"part{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i::3]))
+    (root / "content.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    return {
+        "txt": (str(root / "a.txt"), 12),
+        "jsonl": (str(root / "a.jsonl"), 12),
+        "json": (str(root / "a.json"), 12),
+        "csv": (str(root / "a.csv"), 12),
+        "parquet": (str(root / "a.parquet"), 12),
+        "arrow": (str(root / "a.arrow"), 12),
+        "folder": (str(root / "folder"), 12),
+        "glob": (str(root / "folder" / "part[01].jsonl"), 8),
+        "text column": (str(root / "content.jsonl"), 12),
+    }
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "json", "csv", "parquet", "arrow", "folder", "glob", "text column"])
+def test_every_source_loads_through_the_cli(model, tmp_path, kind):
+    path, documents = write_sources(tmp_path)[kind]
+    extra = ["--text-column", "body"] if kind == "text column" else []
+    result = CliRunner().invoke(
+        app,
+        ["--prepare-only", "--model", str(model), "--dataset", path, "--seq-len", "32", "--global-batch", "2",
+         "--output-dir", str(tmp_path / "out"), *extra],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"documents         {documents}" in result.output
+    assert "format            text, packed into blocks" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_pretokenised_rows_padded_packed_or_truncated(model, tmp_path):
+    rows = [{"input_ids": list(range(3, 3 + n)), "attention_mask": [1] * (n - 2) + [0, 0]} for n in (10, 20, 30, 40)]
+    path = tmp_path / "tokens.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def summary(*flags):
+        result = CliRunner().invoke(app, ["--prepare-only", "--model", str(model), "--dataset", str(path),
+                                          "--global-batch", "1", "--output-dir", str(tmp_path / "o"), *flags])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    as_is = summary()
+    assert "format            tokens, one document per row" in as_is
+    assert "tokens            92 " in as_is  # attention_mask zeros dropped: 8 + 18 + 28 + 38
+    packed = summary("--packing", "--seq-len", "16")
+    assert "samples           5;" in packed  # 92 tokens // 16
+    truncated = summary("--no-packing", "--seq-len", "16")
+    assert "truncated         3 documents" in truncated
+
+
+def chat_rows(n: int = 26, seed: int = 0) -> list[dict]:
+    """Conversations of very different lengths: 1-3 turns, answers from 1 to 40 words."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        turns = int(torch.randint(1, 4, (1,), generator=g))
+        messages = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": sentence(i + t, int(torch.randint(2, 12, (1,), generator=g)))})
+            messages.append(
+                {"role": "assistant", "content": sentence(i * 3 + t, int(torch.randint(1, 40, (1,), generator=g)))}
+            )
+        if i % 4 == 0:
+            messages.insert(0, {"role": "system", "content": "be brief"})
+        rows.append({"messages": messages})
+    return rows
+
+
+def test_loss_counts_only_assistant_tokens(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
+    options = prepare.Options(seq_len=512)
+    row = prepare.make_rows({"messages": [messages]}, tokenizer, options, "chat", packed=False)
+    ids, labels = row["input_ids"][0], row["labels"][0]
+    counted = tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != prepare.IGNORE_INDEX])
+    assert counted == "yo\nok\n"
+    everything = prepare.make_rows({"messages": [messages]}, tokenizer, prepare.Options(512, train_on_prompt=True),
+                                   "chat", packed=False)  # fmt: skip
+    assert everything["labels"][0] == ids
+
+
+def test_prompt_completion_counts_the_completion(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    row = prepare.make_rows({"prompt": ["Q: 2+2? A:"], "completion": [" 4"]}, tokenizer, prepare.Options(64),
+                            "prompt-completion", packed=False)  # fmt: skip
+    counted = [t for t, lab in zip(row["input_ids"][0], row["labels"][0], strict=True) if lab != -100]
+    assert tokenizer.decode(counted) == " 4</s>"
+
+
+G, SEED, LR = 11, 4, 3e-3
+CHAT_SEQ = 256  # the tiny model's maximum: long conversations are truncated, identically on both sides
+
+
+def chat_reference(model_dir: Path, rows: list[dict], steps: int) -> dict:
+    """One process, no sharding, one forward/backward over the whole global batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    built = prepare.make_rows(
+        {"messages": [r["messages"] for r in rows]}, tokenizer, prepare.Options(CHAT_SEQ), "chat", False
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    order = SampleOrder(len(rows), SEED)
+    out = {"loss": [], "grad_norm": []}
+    for step in range(steps):
+        idx = order.rows(range(step * G, (step + 1) * G))
+        width = max(len(built["input_ids"][i]) for i in idx)
+        ids = torch.zeros(G, width, dtype=torch.long)
+        labels = torch.full((G, width), -100)
+        mask = torch.zeros(G, width, dtype=torch.long)
+        for j, i in enumerate(idx):
+            n = len(built["input_ids"][i])
+            ids[j, :n], labels[j, :n], mask[j, :n] = (
+                torch.tensor(built["input_ids"][i]),
+                torch.tensor(built["labels"][i]),
+                1,
+            )
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        out["loss"].append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out["batch0"] = (ids, mask, labels) if steps == 1 else None
+    return out
+
+
+@pytest.mark.distributed
+def test_chat_data_is_exact_under_ragged_accumulation(model, tmp_path):
+    rows = chat_rows()
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    result = run_cli(
+        ["--model", str(model), "--dataset", str(path), "--global-batch", str(G), "--micro-batch", "3",
+         "--max-steps", "3", "--seed", str(SEED), "--lr", str(LR), "--warmup-steps", "0", "--lr-schedule",
+         "constant", "--seq-len", str(CHAT_SEQ), "--output-dir", str(out)],
+        nproc=2,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "format            chat, one document per row" in result.stdout
+    ref = chat_reference(model, rows, 3)
+    metrics = read_metrics(out)
+    counts = {m["loss_tokens"] for m in metrics}
+    assert len(counts) == 3, "steps hold different numbers of loss tokens"
+    for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"], strict=True):
+        assert rel_err(m["loss"], loss) < 1e-5 and rel_err(m["grad_norm"], norm) < 1e-5, (m, loss, norm)
+
+
+def test_a_per_microbatch_mean_fails_on_chat_data(model):
+    """Teeth: averaging each microbatch of the same chat batch, then dividing by A, is wrong."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = chat_rows()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    built = prepare.make_rows(
+        {"messages": [r["messages"] for r in rows]}, tokenizer, prepare.Options(CHAT_SEQ), "chat", False
+    )
+    idx = SampleOrder(len(rows), SEED).rows(range(G))
+
+    def batch(members):
+        width = max(len(built["input_ids"][i]) for i in members)
+        ids, labels = torch.zeros(len(members), width, dtype=torch.long), torch.full((len(members), width), -100)
+        mask = torch.zeros(len(members), width, dtype=torch.long)
+        for j, i in enumerate(members):
+            n = len(built["input_ids"][i])
+            ids[j, :n], labels[j, :n], mask[j, :n] = (
+                torch.tensor(built["input_ids"][i]),
+                torch.tensor(built["labels"][i]),
+                1,
+            )
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def grads(chunks):
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+        for chunk in chunks:
+            (m(**batch(chunk)).loss / len(chunks)).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    naive = grads([idx[i : i + 3] for i in range(0, G, 3)])
+    exact = grads([idx])
+    assert rel_err(naive, exact) > 1e-3
+
+
+@pytest.mark.distributed
+def test_tokenisation_happens_once_and_the_cache_is_reused(model, tmp_path):
+    path, _ = write_sources(tmp_path)["jsonl"]
+    cache = tmp_path / "shared-cache"
+    args = ["--model", str(model), "--dataset", path, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "1",
+            "--max-steps", "1", "--eval-split-ratio", "0.2"]  # fmt: skip
+    first = run_cli([*args, "--output-dir", str(tmp_path / "a")], nproc=2, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "tokenisation      done once (on 1 of 2 ranks) and cached" in first.stdout
+    second = run_cli([*args, "--output-dir", str(tmp_path / "b")], nproc=2, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "tokenisation      read from the cache (prepared by an earlier run)" in second.stdout
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
+    one = run_cli([*args, "--output-dir", str(tmp_path / "c")], nproc=1, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
+    assert one.returncode == 0
+    e2, e1 = read_metrics(tmp_path / "a")[-1], read_metrics(tmp_path / "c")[-1]
+    assert e2["eval_loss_tokens"] == e1["eval_loss_tokens"] > 0
+    assert rel_err(e2["eval_loss"], e1["eval_loss"]) < 1e-5, "eval loss is token-weighted over the whole set"
+
+
+@pytest.mark.parametrize("g, m", [(7, 2), (16, 3), (5, 1)])
+def test_the_order_depends_only_on_seed_and_global_batch(g, m):
+    order = SampleOrder(23, seed=9)
+    for step in range(4):
+        by_world = []
+        for world in (1, 2, 3):
+            plan = Plan(g, m, world)
+            rows = [r for rank in range(world) for j in range(plan.accum_steps)
+                    for r in order.rows(plan.microbatch_range(step, rank, j))]  # fmt: skip
+            by_world.append(rows)
+        assert by_world[0] == by_world[1] == by_world[2]
+    assert SampleOrder(23, 9).rows(range(23)) != SampleOrder(23, 10).rows(range(23))
+    assert sorted(order.rows(range(23, 46))) == list(range(23)), "each epoch is a permutation"
+    assert order.rows(range(23)) != order.rows(range(23, 46)), "a fresh shuffle each epoch"
