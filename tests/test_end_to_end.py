@@ -8,6 +8,7 @@ from helpers import read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from accum_cli.sources import embedded_documents
 
 pytestmark = pytest.mark.distributed
+SECRET = "hf_secret_token_that_must_never_be_written"
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +27,13 @@ def test_torchrun_two_ranks_trains_writes_metrics_and_a_loadable_model(tiny, tmp
          "--global-batch", "16", "--micro-batch", "3", "--max-steps", "8", "--lr", "3e-3",
          "--warmup-steps", "2", "--output-dir", str(out)],
         nproc=2,
+        env_extra={"HF_TOKEN": SECRET},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("── plan") == 1, "only rank 0 reports"
+    assert SECRET not in result.stdout + result.stderr
+    for written in out.rglob("*"):
+        assert not written.is_file() or SECRET.encode() not in written.read_bytes(), written
     assert "── done" in result.stdout
 
     metrics = read_metrics(out)
