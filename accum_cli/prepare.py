@@ -231,7 +231,9 @@ def build(raw, tokenizer, options: Options, fmt: str, key: str, show_progress: b
             desc="tokenising",
         )
         if len(prepared) == 0:
-            raise UserError(f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data")
+            raise UserError(
+                f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data"
+            )
         counts = {name: np.asarray(prepared[name]) for name in ("n_tokens", "n_loss", "truncated")}
         stats = Stats(
             format=fmt,
