@@ -27,10 +27,17 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+# transformers, datasets and accum_cli are imported where used: the launcher needs none of them.
 
 TARGET_RATIO = 0.97  # accum-train may cost at most 3% of the hand-written loop's throughput
 # Other processes' share of the CPUs above which the ratios say more about them than about us.
@@ -42,8 +49,10 @@ DATA_SEED = 1234
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per contestant per repetition")
-    p.add_argument("--reps", type=int, default=3, help="repetitions; contestants alternate within each")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per contestant per repetition")
+    p.add_argument(
+        "--reps", type=int, default=4, help="repetitions, each with fresh models; even keeps the build order balanced"
+    )
     p.add_argument("--layers", type=int, default=4, help="Llama decoder layers")
     p.add_argument("--hidden", type=int, default=256, help="Llama hidden size (head dim 64)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -51,7 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4, help="m: sequences per forward/backward")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated sync policies to compare")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks (one thread each)")
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps: checks the script runs")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model, few steps: checks the script runs (its ratios are noise)"
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A run: the hand-written loop against itself, to see this machine's noise floor",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.reps, args.layers, args.hidden, args.seq_len = 2, 2, 2, 128, 64
@@ -154,6 +170,7 @@ class AccumTrain:
 
         from accum_cli import data, optim, sharding
         from accum_cli import model as modeling
+        from accum_cli.loop import train_step
         from accum_cli.plan import Plan
 
         class InOrder(data.SampleOrder):
@@ -168,20 +185,21 @@ class AccumTrain:
         # The settings the product derives from this config on CPU (fp32, reshard after forward).
         self.model = modeling.shard(build_model(args), mesh, sharding.resolve(self.cfg, "cpu"))
         self.optimizer, self.scheduler = optim.build(self.model, self.cfg, total_steps=10**6)
-        # A real Arrow-backed dataset, read the way the product reads its data every step.
+        # A real Arrow-backed dataset shaped like a prepared one (input_ids and labels columns),
+        # read the way the product reads its data every step.
         datasets.disable_progress_bars()
-        dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+        rows = ids.tolist()
+        dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
         self.reader = data.MicrobatchReader(dataset, InOrder(len(dataset), seed=0), pad_id=0)
+        self.train_step = train_step
         self.step_index = 0
 
     def step(self) -> float:
-        from accum_cli.loop import train_step
-
         microbatches = [
             self.reader.read(self.plan.microbatch_range(self.step_index, self.rank, j))
             for j in range(self.plan.accum_steps)
         ]
-        result = train_step(
+        result = self.train_step(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -201,8 +219,6 @@ class HandWritten:
     name = "hand-written"
 
     def __init__(self, args: argparse.Namespace, mesh, rank: int, sync: str, ids: torch.Tensor):
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
         cfg = train_config(args)  # only to copy the same hyperparameter values
         self.sync, self.grad_clip = sync, cfg.grad_clip
         model = build_model(args)
@@ -231,9 +247,6 @@ class HandWritten:
         self.micro_batch = args.micro_batch
 
     def step(self) -> torch.Tensor:
-        import torch.distributed as dist
-        import torch.nn.functional as F
-
         batches = self.rows.split(self.micro_batch)
         labels = batches  # causal LM on unpadded rows: labels are the inputs, shifted below
         count = sum((y[:, 1:] != -100).sum() for y in labels)
@@ -253,7 +266,15 @@ class HandWritten:
         return norm
 
 
-CONTESTANTS = (AccumTrain, HandWritten)
+class HandWrittenTwin(HandWritten):
+    """--control: the hand-written loop in accum-train's seat, so the ratio shows the noise floor."""
+
+    name = "hand-written #2"
+
+
+def contestants_for(args: argparse.Namespace) -> tuple[type, type]:
+    """(measured, baseline): the ratio is measured / baseline."""
+    return (HandWrittenTwin if args.control else AccumTrain), HandWritten
 
 
 # --------------------------------------------------------------------------- measurement
@@ -267,40 +288,42 @@ class PolicyResult:
 
 
 def as_float(norm: float | torch.Tensor) -> float:
-    from torch.distributed.tensor import DTensor
-
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def timed_block(contestant, steps: int, tokens_per_step: int) -> float:
-    """tokens/s over `steps` whole optimizer steps, as the slowest rank sees them."""
-    import torch.distributed as dist
-
-    gc.collect()  # start each block from the same heap state, not the other contestant's garbage
+def timed_step(contestant) -> float:
+    """Seconds for one whole optimizer step, as the slowest rank sees it."""
+    gc.collect()  # start from the same heap state, not the other contestant's garbage
     dist.barrier()
     started = time.perf_counter()
-    for _ in range(steps):
-        contestant.step()
+    contestant.step()
     dist.barrier()  # the step ends when every rank is done with it
-    return steps * tokens_per_step / (time.perf_counter() - started)
+    return time.perf_counter() - started
 
 
 def measure(args: argparse.Namespace, mesh, rank: int, sync: str, ids: torch.Tensor) -> PolicyResult:
     tokens_per_step = int(ids.numel())  # no padding: every token of the global batch counts
-    rates: dict[str, list[float]] = {cls.name: [] for cls in CONTESTANTS}
+    classes = contestants_for(args)
+    rates: dict[str, list[float]] = {cls.name: [] for cls in classes}
     warmup: dict[str, float] = {}
     for rep in range(args.reps):
-        # Alternate who goes first (A B, B A, ...) so drift and position effects hit both.
-        order = CONTESTANTS if rep % 2 == 0 else CONTESTANTS[::-1]
         # Fresh models every repetition: two identical instances of one loop can differ by a
         # percent or two for the whole life of the instance (where its tensors landed in
-        # memory), so a model kept across repetitions would bias one contestant throughout.
+        # memory), so a model kept across repetitions could favour one contestant throughout.
+        # Who is built first alternates as well, in case the build order matters.
+        order = classes if rep % 2 == 0 else classes[::-1]
         contestants = [cls(args, mesh, rank, sync, ids) for cls in order]
         for c in contestants:
             # Not timed: lazy FSDP init, first-call allocations, AdamW state creation.
             warmup.setdefault(c.name, as_float(c.step()))
-        for c in contestants:
-            rates[c.name].append(timed_block(c, args.steps, tokens_per_step))
+        seconds = {c.name: 0.0 for c in contestants}
+        # Contestants alternate step by step, and who goes first alternates too (A B B A ...),
+        # so a burst of machine noise or a drift hits both alike.
+        for i in range(args.steps):
+            for c in contestants if i % 2 == 0 else contestants[::-1]:
+                seconds[c.name] += timed_step(c)
+        for name, total in seconds.items():
+            rates[name].append(args.steps * tokens_per_step / total)
         del contestants
         gc.collect()  # FSDP modules hold reference cycles: free the old models before new ones
     return PolicyResult(sync, rates, warmup)
@@ -328,22 +351,23 @@ def ratio_line(values: list[float]) -> str:
 
 
 def report(args: argparse.Namespace, results: list[PolicyResult], elapsed: float, others_share: float | None) -> None:
-    acc, hand = AccumTrain.name, HandWritten.name
+    acc, hand = (cls.name for cls in contestants_for(args))
     print(
         f"\nLlama {args.layers} layers x {args.hidden}, vocab {VOCAB}, seq {args.seq_len}, "
         f"G={args.global_batch}, m={args.micro_batch}, {args.nproc} gloo ranks on CPU (1 thread each); "
         f"{args.reps} reps x {args.steps} timed steps per contestant and policy\n"
     )
-    header = f"{'policy':<18}{acc + ' tok/s':>18}{hand + ' tok/s':>20}{'ratio':>8}   {'per-rep ratios'}"
+    wa, wh = len(acc) + 8, len(hand) + 8
+    header = f"{'policy':<18}{acc + ' tok/s':>{wa}}{hand + ' tok/s':>{wh}}{'ratio':>8}   {'per-rep ratios'}"
     print(header)
     print("-" * len(header))
     verdicts = []
     for r in results:
         a, h = statistics.median(r.tokens_per_s[acc]), statistics.median(r.tokens_per_s[hand])
         per_rep = [x / y for x, y in zip(r.tokens_per_s[acc], r.tokens_per_s[hand], strict=True)]
-        print(f"{r.policy:<18}{a:>18.0f}{h:>20.0f}{a / h:>8.3f}   {ratio_line(per_rep)}")
+        print(f"{r.policy:<18}{a:>{wa}.0f}{h:>{wh}.0f}{a / h:>8.3f}   {ratio_line(per_rep)}")
         verdicts.append((r.policy, a / h, per_rep))
-    print("(tokens/s: median over repetitions; ratio: accum-train / hand-written)\n")
+    print(f"(tokens/s: median over repetitions; ratio: {acc} / {hand})\n")
     for r in results:
         na, nh = r.warmup_grad_norm[acc], r.warmup_grad_norm[hand]
         same = abs(na - nh) <= 1e-4 * max(abs(nh), 1e-12)
@@ -357,7 +381,7 @@ def report(args: argparse.Namespace, results: list[PolicyResult], elapsed: float
     for policy, ratio, per_rep in verdicts:
         verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
         print(
-            f"{verdict} {policy}: accum-train runs at {ratio:.3f}x the hand-written loop's tokens/s "
+            f"{verdict} {policy}: {acc} runs at {ratio:.3f}x the {hand} loop's tokens/s "
             f"(target >= {TARGET_RATIO}; per-rep {ratio_line(per_rep)})"
             + (", inconclusive: machine busy" if busy else "")
         )
@@ -365,14 +389,12 @@ def report(args: argparse.Namespace, results: list[PolicyResult], elapsed: float
 
 
 def run_rank(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
     from accum_cli import runtime
 
     started = time.perf_counter()
     rt = runtime.start()
     if rt.world_size != args.nproc:
-        raise SystemExit(f"launched with {rt.world_size} ranks, expected --nproc {args.nproc}")
+        raise RuntimeError(f"launched with {rt.world_size} ranks; pass --nproc {rt.world_size}")
     mesh = rt.mesh()
     ids = token_data(args)
     dist.barrier()
@@ -402,7 +424,15 @@ def main() -> None:
     args = parse_args()
     if "RANK" not in os.environ:
         sys.exit(launch(args))
-    run_rank(args)
+    from accum_cli import runtime
+
+    try:
+        run_rank(args)  # ends the process itself
+    except Exception:
+        # A gloo rank can hang in interpreter finalisation after an error too: print, then
+        # leave without it; torchrun stops the other ranks and reports the failure.
+        traceback.print_exc()
+        runtime.exit_process(1)
 
 
 if __name__ == "__main__":
