@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,8 +344,10 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
     s.output_dir.mkdir(parents=True, exist_ok=True)
     if s.resume is not None:
         keep_metrics_before(s.output_dir, start_step)
-    else:
+    else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         (s.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        for old in ("checkpoints", "final"):
+            shutil.rmtree(s.output_dir / old, ignore_errors=True)
     record = {
         "config": cfg.to_dict() | {"seq_len": s.seq_len},
         "plan": {
