@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from accum_cli.sharding import ShardSettings
 from accum_cli.signals import StopRequest
 
 EMBEDDED_SEQ_LEN = 128
+PREPARE_TIMEOUT_H = 24
 DEFAULT_MAX_SEQ_LEN = 2048
 
 
@@ -158,11 +160,18 @@ def setup(cfg: TrainConfig, resume: str | None) -> Setup:
     if not settings.rank0_loading:
         # transformers reads this too, and would leave ranks > 0 with empty (meta) weights
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
-    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, dist.barrier)
+    # Tokenising a big corpus on rank 0 can outlast the process group's timeout, so the other
+    # ranks wait for it on a CPU group of their own with a generous one.
+    prep_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=PREPARE_TIMEOUT_H))
+
+    def barrier() -> None:
+        dist.barrier(group=prep_group)
+
+    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, barrier)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
     eval_dataset = None
     if raw_eval is not None:
-        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, dist.barrier)
+        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, barrier)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if len(dataset) < plan.global_batch:
