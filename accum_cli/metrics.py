@@ -18,6 +18,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from accum_cli.loop import StepResult
 
+# Dense bf16 tensor-core peaks (FLOP/s), for MFU on the GPUs people train on.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "B200": 2250e12}
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12*L*H*S for attention (PaLM, appendix B)."""
+    return 6 * n_params + 12 * n_layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
@@ -30,8 +45,19 @@ class Reporter:
     """Writes metrics.jsonl and shows progress; a no-op object on ranks other than 0."""
 
     def __init__(
-        self, output_dir: Path | None, total_steps: int, device: torch.device, enabled: bool, start_step: int = 0
+        self,
+        output_dir: Path | None,
+        total_steps: int,
+        device: torch.device,
+        enabled: bool,
+        start_step: int = 0,
+        flops_per_token: float | None = None,
+        world_size: int = 1,
     ):
+        peak = peak_flops(device)
+        # MFU: achieved model FLOP/s over the peak of every GPU in the job (CUDA only).
+        self.mfu_denominator = peak * world_size if peak and flops_per_token else None
+        self.flops_per_token = flops_per_token
         self.enabled = enabled
         self.total_steps = total_steps
         self.start_step = start_step
@@ -78,6 +104,8 @@ class Reporter:
             "elapsed_s": time.perf_counter() - self.started,
             "peak_mem_gib": peak_memory_gib(self.device),
         }
+        if self.mfu_denominator:
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.mfu_denominator
         if result.skipped:
             record["skipped"] = True
         record.update(extra or {})

@@ -21,7 +21,7 @@ from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, keep_metrics_before, print_lines
+from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_before, print_lines
 from accum_cli.plan import Plan
 from accum_cli.sharding import ShardSettings
 from accum_cli.signals import StopRequest
@@ -307,7 +307,14 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
         return path
 
-    with StopRequest() as stop, Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main, start_step) as reporter:
+    per_token = flops_per_token(
+        s.size.n_params,
+        getattr(s.model_config, "num_hidden_layers", 0),
+        getattr(s.model_config, "hidden_size", 0),
+        s.seq_len,
+    )
+    reporter = Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size)
+    with StopRequest() as stop, reporter:
         samples = first_sample
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
