@@ -330,7 +330,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             done = step + 1
             seconds = time.perf_counter() - started
             reporter.step(step, result, seconds, evaluate(done))
-            if stop.agreed(rt.device):
+            if done < s.total_steps and stop.agreed(rt.device):  # the last step just finishes
                 path = save_checkpoint(done, samples)
                 waited = time.monotonic() - stop.received_at if stop.received_at else 0.0
                 raise Preempted(
