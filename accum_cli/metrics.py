@@ -132,10 +132,6 @@ class Reporter:
         every = max(1, self.total_steps // 20)
         return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
 
-    def info(self, line: str = "") -> None:
-        if self.enabled:
-            print(line, flush=True)
-
 
 def keep_metrics_before(output_dir: Path, step: int) -> None:
     """On resume: drop the records of steps after the checkpoint; they are about to be redone."""
