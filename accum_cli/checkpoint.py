@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from accum_cli.errors import UserError
+from accum_cli.errors import UserError, first_line
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
@@ -199,8 +199,9 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer, schedul
     try:
         dcp.load(state, checkpoint_id=str(meta.path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UserError(f"--resume {meta.path} could not be read ({first}); resume an earlier checkpoint") from None
+        raise UserError(
+            f"--resume {meta.path} could not be read ({first_line(exc)}); resume an earlier checkpoint"
+        ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(meta.scheduler)
     rng_file = meta.path / f"rng-rank{dist.get_rank()}.safetensors"

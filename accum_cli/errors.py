@@ -6,3 +6,9 @@ class UserError(Exception):
 
 
 EXIT_USAGE = 2
+
+
+def first_line(exc: BaseException) -> str:
+    """The head of a library's error message, for a one-line report."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

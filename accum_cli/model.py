@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from accum_cli.errors import UserError
+from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded" / "model"
@@ -63,7 +63,7 @@ def load_config(source: ModelSource, trust_remote_code: bool):
         config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         hint = "" if source.is_local else " (is the hub reachable from here?)"
-        raise UserError(f"--model {source.name}: cannot read its config{hint}: {_first_line(exc)}") from None
+        raise UserError(f"--model {source.name}: cannot read its config{hint}: {first_line(exc)}") from None
     remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (remote_causal and trust_remote_code):
         arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
@@ -195,8 +195,3 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool) -> Non
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

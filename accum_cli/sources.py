@@ -9,7 +9,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from accum_cli.errors import UserError
+from accum_cli.errors import UserError, first_line
 
 FILE_BUILDERS = {
     ".txt": "text",
@@ -67,13 +67,13 @@ def load_raw(
         try:
             return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
         except Exception as exc:  # a malformed file: name it, do not dump the parser's stack
-            raise UserError(f"{flag} {dataset}: cannot read it as {builder}: {_first_line(exc)}") from None
+            raise UserError(f"{flag} {dataset}: cannot read it as {builder}: {first_line(exc)}") from None
     try:
         return datasets.load_dataset(dataset, config_name, split=split, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise UserError(
             f"{flag} {dataset} is neither a local path nor a loadable hub dataset "
-            f"(config {config_name!r}, split {split!r}): {_first_line(exc)}"
+            f"(config {config_name!r}, split {split!r}): {first_line(exc)}"
         ) from None
 
 
@@ -96,8 +96,3 @@ def local_files(dataset: str, flag: str = "--dataset") -> list[Path]:
     if len(kinds) > 1:
         raise UserError(f"{flag} {dataset} mixes file kinds ({', '.join(sorted(kinds))}); keep one kind per dataset")
     return files
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
