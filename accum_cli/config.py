@@ -100,7 +100,9 @@ class TrainConfig:
     output_dir: str = "runs/accum-train"
     """Where metrics.jsonl, config.json and final/ are written."""
     overwrite: bool = False
-    """Allow writing into an output dir that holds a previous run."""
+    """Start afresh in an output dir that holds a previous accum-train run (only its own files are removed)."""
+    allow_data_change: bool = False
+    """Resume although the data, its preparation or its order (seed, eval split) changed since the checkpoint."""
 
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
