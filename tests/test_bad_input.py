@@ -60,6 +60,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(good, f["torn-shard"])
     shard = next(f["torn-shard"].glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:64])
+
+    # Broken model folders: weights cut in half, a negative size, an absurd depth.
+    for name, edit in (
+        ("half-weights", None),
+        ("neg-vocab", {"vocab_size": -5}),
+        ("deep", {"num_hidden_layers": 100_000}),
+    ):
+        folder = save_tiny_model(root / name)
+        if edit is None:
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        else:
+            config = json.loads((folder / "config.json").read_text()) | edit
+            (folder / "config.json").write_text(json.dumps(config))
     return f
 
 
@@ -107,6 +121,11 @@ CASES = [
     (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore' is unknown"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     (["--bogus-flag"], "No such option: --bogus-flag"),
+    (["--output-dir", ""], "--output-dir is empty; pass a folder"),
+    (["--resume", "{tokens.jsonl}"], "is a file; pass a checkpoint folder (OUTPUT_DIR/checkpoints/step-N)"),
+    (["--model", "{half-weights}"], "weights file model.safetensors is corrupt or truncated"),
+    (["--model", "{neg-vocab}"], "its config has vocab_size -5; it must be a positive integer"),
+    (["--model", "{deep}"], "asks for 100,000 layers, more than the 2,048 accum-train builds"),
 ]  # fmt: skip
 
 
@@ -128,6 +147,18 @@ def test_bad_input(files, tmp_path, flags, message):
     assert lines[0].startswith("accum-train: error: ") and message in lines[0], lines[0]
     assert "Traceback" not in result.output
     assert not out.exists(), "nothing is written on bad input"
+
+
+@pytest.mark.parametrize("name", ["incomplete", "corrupt-meta", "torn-shard", "a-file"])
+def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name):
+    from accum_cli.cli import export_app
+
+    target = tmp_path / "hf"
+    result = CliRunner().invoke(export_app, [str(files[name] if name in files else files["root"] / name), str(target)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("accum-train: error: checkpoint "), result.output
+    assert not target.exists()
 
 
 def test_the_table_covers_at_least_25_cases():
