@@ -43,6 +43,7 @@ from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, to
 PREP_VERSION = 2
 BATCH_ROWS = 1000
 PARALLEL_ABOVE_ROWS = 20_000  # below this, worker processes cost more than they save
+WORKER_CHUNKS = 64  # chunks a worker process tokenises before a fresh one takes over
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
 __all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "make_rows", "prepare"]
@@ -127,7 +128,8 @@ def _check_column_types(features, fmt: str, text_column: str) -> None:
         for name in ("input_ids", "labels", "attention_mask"):
             if name in features:
                 inner = getattr(features[name], "feature", None)
-                if not str(getattr(inner, "dtype", "")).startswith(("int", "uint", "bool")):
+                # "null": every list is empty (refused later, as data with nothing to learn)
+                if not str(getattr(inner, "dtype", "")).startswith(("int", "uint", "bool", "null")):
                     raise UserError(
                         f"column {name!r} holds {_type_name(features[name])}; it must hold lists of integer token ids"
                     )
@@ -329,7 +331,9 @@ def chunks(job: Job, num_proc: int) -> Iterator[Chunk]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # fork shares the memory-mapped rows with the workers; elsewhere the job travels by pickle.
     context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with context.Pool(num_proc, initializer=_init_worker, initargs=(job,)) as pool:
+    # Workers are replaced now and then: the memory-mapped rows they read count in their resident
+    # memory, which would otherwise grow with the corpus.
+    with context.Pool(num_proc, _init_worker, (job,), maxtasksperchild=WORKER_CHUNKS) as pool:
         pending: deque = deque()
         for start, stop in bounds:
             pending.append(pool.apply_async(_work, (start, stop)))
@@ -411,7 +415,7 @@ def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, s
 
 
 def check_trainable(stats: Stats, options: Options) -> None:
-    if stats.samples == 0:
+    if stats.samples == 0 and stats.packed:
         raise UserError(f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data")
     if stats.loss_tokens == 0:
         raise UserError(

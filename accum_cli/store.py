@@ -129,9 +129,15 @@ class Writer:
         """Each block's first position predicts nothing; the rest count where the mask says so."""
         if self.mask is None:
             return samples * (self.seq_len - 1)
-        mask = np.memmap(self.folder / "mask.bin", np.uint8, "r", shape=(samples, self.seq_len)) if samples else None
+        # Read in slices, not through a memory map, whose touched pages would count in this
+        # process's resident memory and grow it with the corpus.
         step = max(1, SCAN_TOKENS // self.seq_len)
-        return sum(int(mask[i : i + step, 1:].sum()) for i in range(0, samples, step))
+        total = 0
+        for first in range(0, samples, step):
+            n = min(step, samples - first)
+            mask = np.fromfile(self.folder / "mask.bin", np.uint8, n * self.seq_len, offset=first * self.seq_len)
+            total += int(mask.reshape(n, self.seq_len)[:, 1:].sum())
+        return total
 
 
 def _labels_of(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:

@@ -456,7 +456,8 @@ def test_a_node_without_the_shared_cache_tokenises_once(model, tmp_path):
     """Two "nodes" of two ranks each (two wrapper invocations, --nnodes 2), each with a cache
     folder of its own: rank 0 and node 1's first local rank tokenise; node 1's second rank
     waits and reads its node's copy. Each cache ends with one complete copy and no leftovers."""
-    path, _ = write_sources(tmp_path)["jsonl"]
+    path = tmp_path / "corpus.jsonl"  # big enough that a second tokeniser on node 1 would overlap the first
+    path.write_text("".join(json.dumps({"text": sentence(i, 150)}) + "\n" for i in range(3000)))
     port = str(free_port())
     caches = [tmp_path / "cache-node0", tmp_path / "cache-node1"]
     nodes = [
@@ -524,3 +525,19 @@ def test_a_read_only_cache_is_refused_in_one_line(model, tmp_path, monkeypatch):
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("accum-train: error: cannot write the data cache") and "ACCUM_TRAIN_CACHE" in lines[0]
     assert not out.exists()
+
+
+def test_packed_rows_with_labels_keep_their_mask(model):
+    """Pre-tokenised rows packed into blocks: each block's loss positions are those whose label
+    is not -100, after the first position, counted here by hand."""
+    import datasets
+
+    g = np.random.default_rng(3)
+    ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 60)]
+    labels = [[-100 if g.random() < 0.4 else t for t in row] for row in ids]
+    raw = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    data, stats, _ = prepare_here(raw, None, prepare.Options(16, packing=True, vocab_size=384))
+    stream = [t for row in labels for t in row]
+    blocks = [stream[i * 16 : (i + 1) * 16] for i in range(len(stream) // 16)]
+    assert [data.sample(i)[1].tolist() for i in range(len(data))] == blocks
+    assert stats.loss_tokens == sum(1 for block in blocks for t in block[1:] if t != -100)
