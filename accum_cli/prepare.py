@@ -41,8 +41,9 @@ from accum_cli.errors import UserError
 from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
 
 PREP_VERSION = 2
-BATCH_ROWS = 1000
-PARALLEL_ABOVE_ROWS = 20_000  # below this, worker processes cost more than they save
+BATCH_ROWS = 1000  # rows per chunk at most
+BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
+PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
 WORKER_CHUNKS = 64  # chunks a worker process tokenises before a fresh one takes over
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
@@ -321,9 +322,10 @@ def _work(start: int, stop: int) -> Chunk:
 def chunks(job: Job, num_proc: int) -> Iterator[Chunk]:
     """Every row's chunk, in order. With several processes, at most 2 x num_proc chunks are in
     flight, so memory stays bounded whatever the corpus size."""
-    n = len(job.raw)
-    bounds = [(start, min(start + BATCH_ROWS, n)) for start in range(0, n, BATCH_ROWS)]
-    if num_proc <= 1 or n < PARALLEL_ABOVE_ROWS:
+    n, size = len(job.raw), job.raw.data.nbytes
+    rows = max(1, min(BATCH_ROWS, n * BATCH_BYTES // max(size, 1)))
+    bounds = [(start, min(start + rows, n)) for start in range(0, n, rows)]
+    if num_proc <= 1 or size < PARALLEL_ABOVE_BYTES:
         for start, stop in bounds:
             yield tokenise(job, start, stop)
         return

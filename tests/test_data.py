@@ -387,7 +387,7 @@ def test_worker_processes_give_the_same_files_as_one_process(model, tmp_path, mo
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    monkeypatch.setattr(prepare, "PARALLEL_ABOVE_ROWS", 0)
+    monkeypatch.setattr(prepare, "PARALLEL_ABOVE_BYTES", 0)
     monkeypatch.setattr(prepare, "BATCH_ROWS", 7)
     raw = datasets.Dataset.from_dict({"prompt": [sentence(i, 2 + i % 6) for i in range(100)],
                                       "completion": [sentence(i, 1 + i % 4) for i in range(100)]})  # fmt: skip
