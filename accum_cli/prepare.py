@@ -32,7 +32,6 @@ import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -183,8 +182,10 @@ def _tokens(batch, tokenizer, options: Options):
 
 def _text(batch, tokenizer, options: Options):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    texts = _texts(batch, options.text_column)
-    return [row + eos for row in tokenizer(texts, add_special_tokens=False)["input_ids"]], None
+    ids = tokenizer(_texts(batch, options.text_column), add_special_tokens=False)["input_ids"]
+    for row in ids:  # in place: a copy per document costs as much as converting it
+        row.extend(eos)
+    return ids, None
 
 
 def _template(tokenizer, messages, **kwargs) -> list[int]:
@@ -274,12 +275,12 @@ def tokenise(job: Job, start: int, stop: int) -> Chunk:
     ids_rows = [built["input_ids"][i] for i in rows]
     lengths = np.fromiter((len(r) for r in ids_rows), np.int64, len(rows))
     total = int(lengths.sum())
-    ids = np.fromiter(chain.from_iterable(ids_rows), np.int64, total)
+    ids = _flat(ids_rows)
     vocab = job.options.vocab_size
     _check_range(ids, lengths, rows, start, "input_ids", vocab)
     mask = labels = None
     if job.with_mask:
-        all_labels = np.fromiter(chain.from_iterable(built["labels"][i] for i in rows), np.int64, total)
+        all_labels = _flat([built["labels"][i] for i in rows])
         counts = all_labels != IGNORE_INDEX
         mask = counts.astype(np.uint8)
         if np.any(all_labels[counts] != ids[counts]):  # labels of their own (pre-tokenised data)
@@ -291,6 +292,11 @@ def tokenise(job: Job, start: int, stop: int) -> Chunk:
         loss_tokens = total - len(rows)
     return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, stop - start, sum(built["truncated"]),
                  loss_tokens)  # fmt: skip
+
+
+def _flat(rows: list[list[int]]) -> np.ndarray:
+    """Rows of ids back to back as int64 (numpy's list conversion beats a flat iterator)."""
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows]) if rows else np.zeros(0, np.int64)
 
 
 def _check_range(values: np.ndarray, lengths: np.ndarray, rows: list[int], start: int, name: str,
