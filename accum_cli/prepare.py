@@ -23,10 +23,12 @@ that does not see its cache, that node's first local rank prepares while its sib
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections import deque
@@ -44,6 +46,7 @@ BATCH_ROWS = 1000  # rows per chunk at most
 BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
 PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
 WORKER_CHUNKS = 64  # chunks a worker process tokenises before a fresh one takes over
+TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
 __all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "make_rows", "prepare"]
@@ -393,7 +396,8 @@ def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, s
     root = cache_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        remove_abandoned(root)
+        work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=root))
     except OSError as exc:
         raise UserError(
             f"cannot write the data cache {root} ({exc.strerror}); set ACCUM_TRAIN_CACHE to a writable folder"
@@ -430,6 +434,26 @@ def check_trainable(stats: Stats, options: Options) -> None:
             "no position of the dataset counts in the loss (every label is -100, or the rows are empty or one "
             "token long); give labels that count, or --train-on-prompt for chat and prompt-completion data"
         )
+
+
+def remove_abandoned(root: Path) -> None:
+    """Temporary folders of preparations killed on this host (their process is gone): ours to delete.
+    Those of live processes, or of other hosts sharing the cache, are left alone."""
+    host = socket.gethostname()
+    for folder in root.glob(f"{TMP_PREFIX}{glob.escape(host)}-*-*"):
+        pid = folder.name[len(TMP_PREFIX) + len(host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def publish(work: Path, final: Path) -> bool:

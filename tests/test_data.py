@@ -541,3 +541,26 @@ def test_packed_rows_with_labels_keep_their_mask(model):
     blocks = [stream[i * 16 : (i + 1) * 16] for i in range(len(stream) // 16)]
     assert [data.sample(i)[1].tolist() for i in range(len(data))] == blocks
     assert stats.loss_tokens == sum(1 for block in blocks for t in block[1:] if t != -100)
+
+
+def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp_path):
+    """A preparation killed mid-way (kill -9) leaves its temporary folder; the next one on this
+    host removes it, and leaves alone those of live processes."""
+    import os
+    import socket
+
+    import datasets
+
+    cache = Path(prepare.cache_root())
+    cache.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = cache / f".tmp-{socket.gethostname()}-{dead.pid}-x1"
+    in_progress = cache / f".tmp-{socket.gethostname()}-{os.getpid()}-x2"
+    for folder in (abandoned, in_progress):
+        folder.mkdir()
+        (folder / "tokens.bin").write_bytes(b"\0" * 64)
+    raw = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4})
+    prepare_here(raw, None, prepare.Options(8, vocab_size=384))
+    assert not abandoned.exists() and in_progress.exists()
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
