@@ -104,6 +104,9 @@ def main(
         Optional[int], Opt(help="Evaluate every N optimizer steps (and at the end).  [default: at the end]")
     ] = None,
     text_column: Annotated[Optional[str], Opt(help="Column with raw text.  [default: text]")] = None,
+    num_proc: Annotated[
+        Optional[int], Opt(help="Worker processes that tokenise a big corpus.  [default: the CPU cores]")
+    ] = None,
     trust_remote_code: Annotated[
         Optional[bool],
         Opt(

@@ -45,6 +45,8 @@ class TrainConfig:
     """Evaluate every N optimizer steps (and at the end) when there is an eval set."""
     trust_remote_code: bool = False
     """Run code shipped with a model or dataset. Off unless asked."""
+    num_proc: int | None = None
+    """Worker processes that tokenise a big corpus. None: the CPU cores this process may use."""
     seq_len: int | None = None
     """Tokens per sequence. None: 128 on the embedded corpus, else min(2048, model maximum)."""
     global_batch: int = 64

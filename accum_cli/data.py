@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from accum_cli.prepare import IGNORE_INDEX
+from accum_cli.store import IGNORE_INDEX, Prepared
 
 
 class SampleOrder:
@@ -54,18 +54,16 @@ class Microbatch:
         )
 
 
-def collate(rows: dict[str, list], pad_id: int) -> Microbatch:
-    """Right-pad rows to the longest; padding is masked out of attention and of the loss."""
-    ids = rows["input_ids"]
-    labels = rows.get("labels") or ids
-    width = max(len(r) for r in ids)
-    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    target = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, (row, row_labels) in enumerate(zip(ids, labels, strict=True)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        target[i, : len(row)] = torch.tensor(row_labels)
-        mask[i, : len(row)] = 1
+def collate(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Microbatch:
+    """Right-pad (input_ids, labels) rows to the longest; padding is masked out of attention and of the loss."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    target = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.from_numpy(ids)
+        target[i, : len(ids)] = torch.from_numpy(labels)
+        mask[i, : len(ids)] = 1
     return Microbatch(input_ids, mask, target)
 
 
@@ -76,11 +74,12 @@ def empty_microbatch(pad_id: int) -> Microbatch:
 
 
 class MicrobatchReader:
-    """Reads microbatches from a prepared dataset: by global sample index in the seeded order,
-    or by row index when there is no order (evaluation)."""
+    """Reads microbatches from prepared data: by global sample index in the seeded order, or by
+    row index when there is no order (evaluation). Each read slices the memory-mapped files for
+    just these samples: O(micro batch), whatever the corpus size."""
 
-    def __init__(self, dataset, order: SampleOrder | None, pad_id: int):
-        self.dataset = dataset.select_columns(["input_ids", "labels"])
+    def __init__(self, dataset: Prepared, order: SampleOrder | None, pad_id: int):
+        self.dataset = dataset
         self.order = order
         self.pad_id = pad_id
 
@@ -88,4 +87,4 @@ class MicrobatchReader:
         if len(indices) == 0:
             return empty_microbatch(self.pad_id)
         rows = self.order.rows(indices) if self.order is not None else list(indices)
-        return collate(self.dataset[rows], self.pad_id)
+        return collate(self.dataset.rows(rows), self.pad_id)

@@ -137,7 +137,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
     raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset") if cfg.eval_dataset else None
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
-    options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt)
+    vocab_size = getattr(model_config, "vocab_size", None)
+    options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
     for rows in (raw, raw_eval):
         if rows is not None:
             prepare.check(rows, tokenizer, options)
@@ -156,11 +157,12 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     def barrier() -> None:
         dist.barrier(group=prep_group)
 
-    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, barrier)
+    leader = rt.local_rank == 0
+    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
     eval_dataset = None
     if raw_eval is not None:
-        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, barrier)
+        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if len(dataset) < plan.global_batch:
@@ -169,7 +171,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             f"global batch of {plan.global_batch}; lower --global-batch or --seq-len, or add data"
         )
     if stats.format == "tokens":
-        longest = int(np.asarray(dataset["n_tokens"]).max())
+        longest = stats.longest
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
             raise UserError(
@@ -226,10 +228,7 @@ def split_for_eval(dataset, ratio: float, seed: int):
     n = len(dataset)
     held = min(max(1, round(n * ratio)), n - 1)
     order = np.random.default_rng([seed, 0x5EED]).permutation(n)
-    return (
-        dataset.select(np.sort(order[held:]), keep_in_memory=True),
-        dataset.select(np.sort(order[:held]), keep_in_memory=True),
-    )
+    return dataset.select(np.sort(order[held:])), dataset.select(np.sort(order[:held]))
 
 
 class Preempted(Exception):

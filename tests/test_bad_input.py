@@ -35,6 +35,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "unknown-key.yaml").write_text("global_batch: 8\nmicro_bach: 2\n")
     (root / "wrong-type.yaml").write_text("global_batch: lots\n")
     (root / "bad.yaml").write_text("global_batch: [\n")
+    bad_data = {  # one bad row among good ones: the problem is found while tokenising
+        "null-text.jsonl": [{"text": "a good row of text"}, {"text": None}],
+        "number-text.jsonl": [{"text": 5}, {"text": 6}],
+        "id-outside-vocab.jsonl": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 384, 7]}],
+        "negative-id.jsonl": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, -3, 7]}],
+        "string-ids.jsonl": [{"input_ids": ["a", "b"]}, {"input_ids": ["c"]}],
+        "mixed-ids.jsonl": [{"input_ids": [5, "b"]}],
+        "short-labels.jsonl": [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [5]}],
+        "long-mask.jsonl": [{"input_ids": [5, 6], "attention_mask": [1, 1, 1]}],
+        "no-loss.jsonl": [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}] * 8,
+        "empty-rows.jsonl": [{"input_ids": []}] * 8,
+    }
+    for name, rows in bad_data.items():
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
@@ -126,6 +140,21 @@ CASES = [
     (["--model", "{half-weights}"], "weights file model.safetensors is corrupt or truncated"),
     (["--model", "{neg-vocab}"], "its config has vocab_size -5; it must be a positive integer"),
     (["--model", "{deep}"], "asks for 100,000 layers, more than the 2,048 accum-train builds"),
+    (["--model", "{tiny}", "--dataset", "{null-text.jsonl}"], "row 1 of the dataset (counting from 0): column 'text' is null"),
+    (["--model", "{tiny}", "--dataset", "{number-text.jsonl}"], "column 'text' holds int64, not text"),
+    (["--model", "{tiny}", "--dataset", "{id-outside-vocab.jsonl}"],
+     "row 1 of the dataset (counting from 0): input_ids holds 384, outside the model's vocabulary of 384"),
+    (["--model", "{tiny}", "--dataset", "{negative-id.jsonl}"], "input_ids holds -3, outside the model's vocabulary"),
+    (["--model", "{tiny}", "--dataset", "{string-ids.jsonl}"],
+     "column 'input_ids' holds lists of string; it must hold lists of integer token ids"),
+    (["--model", "{tiny}", "--dataset", "{mixed-ids.jsonl}"], "it must hold lists of integer token ids"),
+    (["--model", "{tiny}", "--dataset", "{short-labels.jsonl}"],
+     "row 1 of the dataset (counting from 0): labels is 1 long but input_ids holds 3 tokens"),
+    (["--model", "{tiny}", "--dataset", "{long-mask.jsonl}"], "attention_mask is 3 long but input_ids holds 2 tokens"),
+    (["--model", "{tiny}", "--dataset", "{no-loss.jsonl}", "--global-batch", "4"],
+     "no position of the dataset counts in the loss"),
+    (["--model", "{tiny}", "--dataset", "{empty-rows.jsonl}", "--global-batch", "4"],
+     "no position of the dataset counts in the loss"),
 ]  # fmt: skip
 
 
