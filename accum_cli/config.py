@@ -18,6 +18,7 @@ from accum_cli.errors import UserError
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 NONFINITE_ACTIONS = ("abort", "skip")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +46,10 @@ class TrainConfig:
     """Evaluate every N optimizer steps (and at the end) when there is an eval set."""
     trust_remote_code: bool = False
     """Run code shipped with a model or dataset. Off unless asked."""
+    attn_implementation: str | None = None
+    """Attention kernel: sdpa, eager, flex_attention, flash_attention_2 or flash_attention_3, checked
+    against the model class and device before any work. None: sdpa where the class supports it, else
+    the class's default (eager)."""
     seq_len: int | None = None
     """Tokens per sequence. None: 128 on the embedded corpus, else min(2048, model maximum)."""
     global_batch: int = 64
@@ -128,6 +133,11 @@ class TrainConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(
+                f"--attn-implementation {self.attn_implementation!r} is unknown; "
+                f"use one of: {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
         if not 0 <= self.eval_split_ratio < 1:

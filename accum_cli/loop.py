@@ -3,6 +3,7 @@
 Each microbatch backpropagates sum(token losses) / (loss tokens of the whole global batch),
 the count all-reduced before the first backward, and FSDP sums (never averages) across
 ranks, so the accumulated gradient is the gradient of the one-big-batch token mean.
+A mixture of experts that asks for its router's balancing loss gets it added (moe.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from accum_cli import policy
+from accum_cli import moe, policy
 from accum_cli.data import IGNORE_INDEX, Microbatch
 from accum_cli.runtime import all_reduce_sum
 
@@ -33,6 +34,7 @@ class StepResult:
     grad_norm: float  # total L2 norm before clipping
     lr: float  # the learning rate this step used
     skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
+    aux_loss: float | None = None  # MoE router balancing loss (unweighted), when the model asks for it
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -91,16 +93,30 @@ def train_step(
     if loss_tokens == 0:
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
+    aux_coef = moe.aux_loss_coef(getattr(model, "config", None))
     mb_losses = []  # kept on the device: no host sync per microbatch
+    mb_aux = [torch.zeros((), device=device)]
     for index, mb in enumerate(microbatches):
         set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
+        share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
         mb = mb.to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        mb_loss_sum = token_loss_sum(logits, mb.labels)
-        (mb_loss_sum / loss_tokens).backward()
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        mb_loss_sum = token_loss_sum(out.logits, mb.labels)
+        loss = mb_loss_sum / loss_tokens
+        if aux_coef and share:
+            if getattr(out, "aux_loss", None) is None:
+                raise RuntimeError(
+                    f"{type(model).__name__} asks for a router loss (output_router_logits) but returned none"
+                )
+            weighted_aux = out.aux_loss.float() * share
+            loss = loss + aux_coef * weighted_aux
+            mb_aux.append(weighted_aux.detach())
+        loss.backward()
         mb_losses.append(mb_loss_sum.detach())
 
-    loss = all_reduce_sum(torch.stack(mb_losses).sum()).item() / loss_tokens
+    ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
+    aux_loss = aux if aux_coef else None
+    loss = ce_sum / loss_tokens + aux_coef * aux
     max_norm = grad_clip if grad_clip > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -109,10 +125,10 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         if on_nonfinite == "skip":
             scheduler.step()  # the schedule follows the step count, applied or not
-            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True)
+            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True, aux_loss=aux_loss)
         raise NonFiniteError(f"step {step}: {where_nonfinite(mb_losses, device)}; loss {loss}, grad norm {grad_norm}")
 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, loss_tokens, tokens, grad_norm, lr)
+    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss)

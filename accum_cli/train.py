@@ -131,6 +131,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
         policy.shard_size(plan, cfg.replicas)
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
+    modeling.set_attention(model_config, cfg.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
@@ -252,6 +253,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             [
                 f"model             {s.source.name}: {s.size.n_params:,} parameters"
                 + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
+                *modeling.describe_model(s.model_config, cfg.attn_implementation),
                 *s.stats.describe(plan.global_batch),
                 "tokenisation      "
                 + (
@@ -273,6 +275,8 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
     if prepare_only:
         return {"samples": s.stats.samples}
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+    if rt.is_main:
+        print(f"  {'sharded':<18}{modeling.describe_sharding(model)}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
