@@ -3,7 +3,7 @@
 Each microbatch backpropagates sum(token losses) / (loss tokens of the whole global batch),
 the count all-reduced before the first backward, and FSDP sums (never averages) across
 ranks, so the accumulated gradient is the gradient of the one-big-batch token mean.
-A mixture of experts that asks for its router's balancing loss gets it added (moe.py).
+A mixture of experts that asks for its router's balancing loss gets it added, exactly too (moe.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from accum_cli import moe, policy
 from accum_cli.data import IGNORE_INDEX, Microbatch
+from accum_cli.errors import UserError
 from accum_cli.runtime import all_reduce_sum
 
 
@@ -78,6 +79,22 @@ def where_nonfinite(mb_losses: list[torch.Tensor], device: torch.device) -> str:
     return "the loss is finite in every microbatch but the gradient norm is not"
 
 
+def balancing_term(out, config, attention_mask: torch.Tensor, step_choices) -> torch.Tensor:
+    """This microbatch's exact share of the step's router balancing loss (moe.py). Our formula is
+    checked against the model's own aux loss on the same microbatch, so a model that balances
+    differently is refused rather than trained on another loss."""
+    choices, prob_sums, rows = moe.router_stats(config, out.router_logits, attention_mask)
+    own = moe.balancing_loss(choices, prob_sums, rows)
+    if not torch.allclose(own.detach(), out.aux_loss.detach().float(), rtol=1e-4, atol=1e-6):
+        raise UserError(
+            f"{config.model_type}: the model's router loss is not transformers' load_balancing_loss_func "
+            f"({float(out.aux_loss):.6g} vs {float(own):.6g}); pass --moe-aux-loss microbatch"
+        )
+    if step_choices is None:  # the step is this one microbatch
+        return own
+    return moe.balancing_loss(step_choices[0], prob_sums, step_choices[1])
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -88,12 +105,18 @@ def train_step(
     device: torch.device,
     step: int = 0,
     on_nonfinite: str = "abort",
+    moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
     loss_tokens, tokens = global_counts(microbatches, device)
     if loss_tokens == 0:
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
-    aux_coef = moe.aux_loss_coef(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    aux_coef = moe.aux_loss_coef(config)
+    # Exact balancing loss: the step's expert choices first, unless the step is one microbatch in all.
+    one_microbatch = len(microbatches) == 1 and dist.get_world_size() == 1
+    exact_aux = aux_coef and moe_aux_loss == moe.EXACT
+    step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]
     for index, mb in enumerate(microbatches):
@@ -103,14 +126,14 @@ def train_step(
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
         mb_loss_sum = token_loss_sum(out.logits, mb.labels)
         loss = mb_loss_sum / loss_tokens
-        if aux_coef and share:
-            if getattr(out, "aux_loss", None) is None:
-                raise RuntimeError(
-                    f"{type(model).__name__} asks for a router loss (output_router_logits) but returned none"
-                )
-            weighted_aux = out.aux_loss.float() * share
-            loss = loss + aux_coef * weighted_aux
-            mb_aux.append(weighted_aux.detach())
+        if aux_coef and not mb.empty:
+            aux = (
+                balancing_term(out, config, mb.attention_mask, step_choices)
+                if exact_aux
+                else out.aux_loss.float() * share
+            )
+            loss = loss + aux_coef * aux
+            mb_aux.append(aux.detach())
         loss.backward()
         mb_losses.append(mb_loss_sum.detach())
 

@@ -145,10 +145,10 @@ def describe_attention(config, requested: str | None) -> str:
     return f"{name} ({cls.__name__} has no sdpa; its default)"
 
 
-def describe_model(config, requested_attention: str | None) -> list[str]:
+def describe_model(config, requested_attention: str | None, moe_aux_loss: str) -> list[str]:
     """Header lines: the attention that runs and, for a mixture of experts, its balancing loss."""
     lines = [f"attention         {describe_attention(config, requested_attention)}"]
-    router = moe.describe(config)
+    router = moe.describe(config, moe_aux_loss)
     if router is not None:
         lines.append(f"router aux loss   {router}")
     return lines

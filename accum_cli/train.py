@@ -253,7 +253,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             [
                 f"model             {s.source.name}: {s.size.n_params:,} parameters"
                 + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
-                *modeling.describe_model(s.model_config, cfg.attn_implementation),
+                *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
                 *s.stats.describe(plan.global_batch),
                 "tokenisation      "
                 + (
@@ -328,7 +328,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             ]
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
-                cfg.on_nonfinite,
+                cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
             samples += plan.global_batch
             done = step + 1
