@@ -85,7 +85,7 @@ def balancing_term(out, config, attention_mask: torch.Tensor, step_choices) -> t
     differently is refused rather than trained on another loss."""
     choices, prob_sums, rows = moe.router_stats(config, out.router_logits, attention_mask)
     own = moe.balancing_loss(choices, prob_sums, rows)
-    if not torch.allclose(own.detach(), out.aux_loss.detach().float(), rtol=1e-4, atol=1e-6):
+    if not torch.allclose(own.detach(), out.aux_loss.detach().float(), rtol=1e-3, atol=1e-6):
         raise UserError(
             f"{config.model_type}: the model's router loss is not transformers' load_balancing_loss_func "
             f"({float(out.aux_loss):.6g} vs {float(own):.6g}); pass --moe-aux-loss microbatch"

@@ -141,7 +141,7 @@ def describe_attention(config, requested: str | None) -> str:
     if cls is None:
         return f"{name or 'the model code default'} (its own code decides)"
     if name == "sdpa":
-        return "sdpa (the fastest one this model class supports here)"
+        return "sdpa (PyTorch fused attention, the best this model class supports here)"
     return f"{name} ({cls.__name__} has no sdpa; its default)"
 
 

@@ -64,10 +64,10 @@ def router_stats(
     choices = torch.zeros(n_experts, device=mask.device)
     prob_sums = torch.zeros(n_experts, device=mask.device)
     for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as transformers does (bf16 ties alike)
         chosen = torch.topk(probs, top_k, dim=-1).indices
         choices = choices.scatter_add(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
-        prob_sums = prob_sums + (probs * mask[:, None]).sum(0)
+        prob_sums = prob_sums + (probs.float() * mask[:, None]).sum(0)
     return choices, prob_sums, mask.sum() * len(router_logits)
 
 

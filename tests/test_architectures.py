@@ -203,7 +203,7 @@ def test_two_ranks_sync_last_equal_hf_one_big_batch(workdir, models, tmp_path, n
 
 def test_header_names_attention_and_sharding(workdir, models, tmp_path):
     _, output = train_in_process(cli_args(models("llama-tied"), workdir / "data.jsonl", tmp_path / "a", 12, "every"))
-    assert "sdpa (the fastest one this model class supports here)" in output
+    assert "sdpa (PyTorch fused attention, the best this model class supports here)" in output
     assert "3 FSDP units: 2 x LlamaDecoderLayer + root holding model.embed_tokens.weight = lm_head.weight (tied)" in (
         output
     )
