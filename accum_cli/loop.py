@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from accum_cli import moe, policy
 from accum_cli.data import IGNORE_INDEX, Microbatch
-from accum_cli.errors import UserError
 from accum_cli.runtime import all_reduce_sum
 
 
@@ -86,10 +85,7 @@ def balancing_term(out, config, attention_mask: torch.Tensor, step_choices) -> t
     choices, prob_sums, rows = moe.router_stats(config, out.router_logits, attention_mask)
     own = moe.balancing_loss(choices, prob_sums, rows)
     if not torch.allclose(own.detach(), out.aux_loss.detach().float(), rtol=1e-3, atol=1e-6):
-        raise UserError(
-            f"{config.model_type}: the model's router loss is not transformers' load_balancing_loss_func "
-            f"({float(out.aux_loss):.6g} vs {float(own):.6g}); pass --moe-aux-loss microbatch"
-        )
+        raise moe.unsupported(config)
     if step_choices is None:  # the step is this one microbatch
         return own
     return moe.balancing_loss(step_choices[0], prob_sums, step_choices[1])

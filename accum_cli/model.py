@@ -17,6 +17,7 @@ import importlib.util
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +235,10 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
         layer.register_forward_hook(_copy_view_outputs)  # before fully_shard: runs before FSDP's own hook
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    # The root's outputs (logits, router loss) are read only by our loss code, which never changes
+    # them in place, so a view among them (Doge's) cannot drop FSDP2's pre-backward hook.
+    root_view_warning = f"FSDP2-wrapped module ({type(model).__name__}) returned a view tensor"
+    warnings.filterwarnings("ignore", message=re.escape(root_view_warning))
     # The loss is already divided by the global loss-token count, so FSDP must sum across
     # ranks instead of averaging. The divide factor is per module (not recursive). Gloo has
     # no PREMUL_SUM, so there the factor 1.0 also needs forced SUM reductions (DESIGN.md).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from accum_cli.config import MOE_AUX_LOSSES
+from accum_cli.errors import UserError
 from accum_cli.runtime import all_reduce_sum
 
 EXACT, MICROBATCH = MOE_AUX_LOSSES
@@ -51,8 +52,18 @@ def describe(config, mode: str) -> str | None:
 
 
 def _experts(config) -> tuple[int, int]:
-    n_experts = getattr(config, "num_experts", None) or config.num_local_experts
-    return int(n_experts), int(config.num_experts_per_tok)
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not (isinstance(n_experts, int) and isinstance(top_k, int)):
+        raise unsupported(config)
+    return n_experts, top_k
+
+
+def unsupported(config) -> UserError:
+    return UserError(
+        f"{config.model_type}: the model's router loss is not transformers' load_balancing_loss_func, "
+        "so its exact share cannot be computed here; pass --moe-aux-loss microbatch"
+    )
 
 
 def router_stats(
@@ -60,6 +71,10 @@ def router_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(C, S, R) of one microbatch: expert choices, router probability sums, rows; padding excluded."""
     n_experts, top_k = _experts(config)
+    if not (
+        isinstance(router_logits, tuple) and all(t.shape == (attention_mask.numel(), n_experts) for t in router_logits)
+    ):
+        raise unsupported(config)  # not one (rows, experts) tensor per layer, as load_balancing_loss_func reads them
     mask = attention_mask.reshape(-1).float()
     choices = torch.zeros(n_experts, device=mask.device)
     prob_sums = torch.zeros(n_experts, device=mask.device)
