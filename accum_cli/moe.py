@@ -88,19 +88,19 @@ def router_stats(
 
 def balancing_loss(choices: torch.Tensor, prob_sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """E * sum_i C_i * S_i / R**2: with one microbatch's C and R its own aux; with the step's, its exact share."""
-    return len(choices) * (choices * prob_sums).sum() / rows**2
+    return len(choices) * (choices.to(prob_sums.dtype) * prob_sums).sum() / rows.to(prob_sums.dtype) ** 2
 
 
 @torch.no_grad()
 def step_choices(model, config, microbatches, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective. The global (C, R) of the step: one forward without gradient per microbatch."""
     n_experts, _ = _experts(config)
-    totals = torch.zeros(n_experts + 1, device=device)
+    totals = torch.zeros(n_experts + 1, dtype=torch.float64, device=device)  # counts past 2**24 stay exact
     for mb in microbatches:  # every rank runs the same number, placeholders too: FSDP's all-gathers match
         mb = mb.to(device)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
         if not mb.empty:
             choices, _, rows = router_stats(config, out.router_logits, mb.attention_mask)
-            totals += torch.cat([choices, rows.reshape(1)])
+            totals += torch.cat([choices, rows.reshape(1)]).double()
     totals = all_reduce_sum(totals)
     return totals[:-1], totals[-1]
