@@ -114,6 +114,16 @@ def main(
             help="Run code shipped with the model or dataset.  [default: no]",
         ),
     ] = None,
+    attn_implementation: Annotated[
+        Optional[str],
+        Opt(
+            help="sdpa, eager, flex_attention, flash_attention_2/_3.  [default: sdpa if the model has it, else its own]"
+        ),
+    ] = None,
+    moe_aux_loss: Annotated[
+        Optional[str],
+        Opt(help="MoE router balancing loss: exact (one extra forward) or microbatch (approximate).  [default: exact]"),
+    ] = None,
     seq_len: Annotated[
         Optional[int],
         Opt(help="Tokens per sequence.  [default: 128 on the embedded corpus, else min(2048, model maximum)]"),

@@ -18,6 +18,8 @@ from accum_cli.errors import UserError
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 NONFINITE_ACTIONS = ("abort", "skip")
+MOE_AUX_LOSSES = ("exact", "microbatch")  # moe.py
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +49,14 @@ class TrainConfig:
     """Run code shipped with a model or dataset. Off unless asked."""
     num_proc: int | None = None
     """Worker processes that tokenise a big corpus. None: the CPU cores this process may use."""
+    attn_implementation: str | None = None
+    """Attention kernel: sdpa, eager, flex_attention, flash_attention_2 or flash_attention_3, checked
+    against the model class and device before any work. None: sdpa where the class supports it, else
+    the class's default (eager)."""
+    moe_aux_loss: str = "exact"
+    """Mixture-of-experts router balancing loss (when the model config asks for it): exact (the step's
+    expert choices counted first in one extra forward without gradient) or microbatch (each
+    microbatch's own, weighted by its token share: no extra work, approximate under accumulation)."""
     seq_len: int | None = None
     """Tokens per sequence. None: 128 on the embedded corpus, else min(2048, model maximum)."""
     global_batch: int = 64
@@ -132,6 +142,13 @@ class TrainConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+            problems.append(
+                f"--attn-implementation {self.attn_implementation!r} is unknown; "
+                f"use one of: {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
+        if self.moe_aux_loss not in MOE_AUX_LOSSES:
+            problems.append(f"--moe-aux-loss {self.moe_aux_loss!r} is unknown; use one of: {', '.join(MOE_AUX_LOSSES)}")
         if self.device_memory_gib is not None and self.device_memory_gib <= 0:
             problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
         if not 0 <= self.eval_split_ratio < 1:

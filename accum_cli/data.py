@@ -38,6 +38,7 @@ class Microbatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    empty: bool = False  # a placeholder that holds no sample (see empty_microbatch)
 
     @property
     def loss_tokens(self) -> int:
@@ -46,11 +47,13 @@ class Microbatch:
 
     @property
     def tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        """Unpadded tokens; none in a placeholder."""
+        return 0 if self.empty else int(self.attention_mask.sum())
 
     def to(self, device: torch.device) -> Microbatch:
         return Microbatch(
-            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels))
+            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels)),
+            empty=self.empty,
         )
 
 
@@ -70,7 +73,7 @@ def collate(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Microbatc
 def empty_microbatch(pad_id: int) -> Microbatch:
     """One pad token that counts nowhere: an empty microbatch still joins FSDP's collectives."""
     one = torch.full((1, 1), pad_id, dtype=torch.long)
-    return Microbatch(one, torch.ones_like(one), torch.full_like(one, IGNORE_INDEX))
+    return Microbatch(one, torch.ones_like(one), torch.full_like(one, IGNORE_INDEX), empty=True)
 
 
 class MicrobatchReader:

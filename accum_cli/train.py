@@ -119,6 +119,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     modeling.check_weights(source)
+    modeling.set_attention(model_config, cfg.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
@@ -290,6 +291,7 @@ def describe_run(s: Setup, cfg: TrainConfig) -> list[str]:
     lines = [
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
+        *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         *s.stats.describe(s.plan.global_batch),
         f"tokenisation      {tokenised}",
         f"training          {s.total_steps} optimizer steps"
@@ -312,6 +314,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+    if rt.is_main:
+        print(f"  {'sharded':<18}{modeling.describe_sharding(model)}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
@@ -370,7 +374,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             ]
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
-                cfg.on_nonfinite,
+                cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
             samples += plan.global_batch
             done = step + 1
