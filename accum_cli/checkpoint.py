@@ -73,12 +73,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _complete_by_step(folder: Path) -> list[Path]:
+    """Complete checkpoints, oldest first, by step number: `step-%06d` grows past six digits,
+    so the names do not sort as strings."""
+    complete = [p for p in folder.glob("step-*") if p.name[5:].isdigit() and (p / META).is_file()]
+    return sorted(complete, key=lambda p: int(p.name[5:]))
+
+
 def latest(root: Path) -> Path | None:
     """The newest complete checkpoint under OUTPUT_DIR/checkpoints, if any."""
     folder = root / CHECKPOINTS
     if not folder.is_dir():
         return None
-    complete = sorted(p for p in folder.glob("step-*") if (p / META).is_file())
+    complete = _complete_by_step(folder)
     return complete[-1] if complete else None
 
 
@@ -185,8 +192,7 @@ def save(
 
 
 def prune(root: Path, keep: int) -> None:
-    folder = root / CHECKPOINTS
-    complete = sorted(p for p in folder.glob("step-*") if (p / META).is_file())
+    complete = _complete_by_step(root / CHECKPOINTS)
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
 
