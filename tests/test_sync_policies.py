@@ -22,7 +22,12 @@ from accum_cli.cli import app
 pytestmark = pytest.mark.distributed
 
 TWO_RANKS = ["every:1", "last:1", "last-keep-params:1", "every:3", "last:3", "last-keep-params:3", "every:2:ac"]
-FOUR_RANKS = ["hsdp-defer:1", "hsdp-defer:3"]  # 2 replicas x 2 shards
+FOUR_RANKS = ["hsdp-defer:1", "hsdp-defer:3", "every:2"]  # 2 replicas x 2 shards
+
+
+def on_four_ranks(case: str) -> str:
+    """The name of a 4-rank (2 replicas x 2 shards) case among the measurements."""
+    return f"{case} x2"
 
 
 def probe(model: Path, out: Path, world: int, replicas: int, cases: list[str]) -> dict[str, dict]:
@@ -37,10 +42,11 @@ def probe(model: Path, out: Path, world: int, replicas: int, cases: list[str]) -
 def measured(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("sync")
     model = save_tiny_model(root / "model")
-    return probe(model, root / "two.json", 2, 1, TWO_RANKS) | probe(model, root / "four.json", 4, 2, FOUR_RANKS)
+    two = probe(model, root / "two.json", 2, 1, TWO_RANKS)
+    return two | {on_four_ranks(case): m for case, m in probe(model, root / "four.json", 4, 2, FOUR_RANKS).items()}
 
 
-@pytest.mark.parametrize("case", TWO_RANKS[:-1] + FOUR_RANKS)
+@pytest.mark.parametrize("case", TWO_RANKS[:-1] + [on_four_ranks(case) for case in FOUR_RANKS])
 def test_collectives_per_step_are_what_the_plan_prints(measured, case):
     m = measured[case]
     expected = policy.collectives(m["sync"], m["accum"], m["replicas"])
@@ -62,6 +68,9 @@ def test_memory_held_between_microbatches_orders_as_the_plan_says(measured):
     }
     print("live tensor bytes between microbatches (rank 0):", held)
     assert held["every"] < held["last"] < held["last-keep-params"]
+    size = policy.ModelSize(n_params=1000, compute_bytes=4)
+    planned = [policy.extra_bytes(sync, size) for sync in ("every", "last", "last-keep-params")]
+    assert planned == sorted(set(planned)), "the plan orders them the same way"
     # The plan's model: `last` adds the unsharded gradients, `last-keep-params` also the
     # unsharded parameters, so the two steps up are about the same size.
     up_grads, up_params = held["last"] - held["every"], held["last-keep-params"] - held["last"]
