@@ -35,6 +35,7 @@ COPY_IGNORE = shutil.ignore_patterns(
     ".venv", "runs", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
 )
 TIMEOUT_S = 600
+DATA_MODULES = ("accum_cli/prepare.py", "accum_cli/sources.py", "accum_cli/data.py")
 
 EQ = "tests/test_equivalence.py"
 CK = "tests/test_checkpoint.py"
@@ -244,8 +245,9 @@ def run(mutant: Mutant, tests_from: str | None) -> tuple[str, float]:
         args = [a for a in mutant.tests if not a.startswith("tests/") or exists(copy, a)]
         if not any(a.startswith("tests/") for a in args):
             return "SURVIVED (no such tests)", 0.0
-        # A mutant's prepared data must not land in the shared cache that normal runs read.
-        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1", ACCUM_TRAIN_CACHE=f"{tmp}/cache")
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        if mutant.path in DATA_MODULES:  # its prepared data must not land in the cache normal runs read
+            env["ACCUM_TRAIN_CACHE"] = f"{tmp}/cache"
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
         started = time.monotonic()
         try:
@@ -257,7 +259,8 @@ def run(mutant: Mutant, tests_from: str | None) -> tuple[str, float]:
         return "SURVIVED", seconds
     if result.returncode in (4, 5):  # no tests selected, or the selection does not exist
         return "SURVIVED (no such tests)", seconds
-    return "KILLED", seconds
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return f"KILLED by {failed[0] if failed else 'exit code ' + str(result.returncode)}", seconds
 
 
 def main() -> None:
@@ -276,7 +279,10 @@ def main() -> None:
         outcome, seconds = run(m, opts.tests_from)
         outcomes[m.name] = outcome
         tag = "  [equivalent]" if m.equivalent else ""
-        print(f"{outcome:<26} {seconds:6.1f} s  {m.name}{tag}", flush=True)
+        verdict, _, why = outcome.partition(" by ")
+        print(
+            f"{verdict:<26} {seconds:6.1f} s  {m.name}{tag}" + (f"\n{'':35}by {why[:150]}" if why else ""), flush=True
+        )
     scored = [m for m in chosen if not m.equivalent and outcomes[m.name] != "STALE"]
     killed = sum(outcomes[m.name].startswith("KILLED") for m in scored)
     survivors = [m for m in scored if not outcomes[m.name].startswith("KILLED")]
