@@ -39,16 +39,24 @@ def probe(model: Path, out: Path, world: int, replicas: int, cases: list[str]) -
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, dict]:
-    root = tmp_path_factory.mktemp("sync")
-    model = save_tiny_model(root / "model")
-    two = probe(model, root / "two.json", 2, 1, TWO_RANKS)
-    return two | {on_four_ranks(case): m for case, m in probe(model, root / "four.json", 4, 2, FOUR_RANKS).items()}
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("sync") / "model")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model) -> dict[str, dict]:
+    return probe(model, model.parent / "two.json", 2, 1, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(model) -> dict[str, dict]:
+    """Started only by the tests that need it: 4 processes are the slowest part of this file."""
+    return {on_four_ranks(case): m for case, m in probe(model, model.parent / "four.json", 4, 2, FOUR_RANKS).items()}
 
 
 @pytest.mark.parametrize("case", TWO_RANKS[:-1] + [on_four_ranks(case) for case in FOUR_RANKS])
-def test_collectives_per_step_are_what_the_plan_prints(measured, case):
-    m = measured[case]
+def test_collectives_per_step_are_what_the_plan_prints(request, case):
+    m = request.getfixturevalue("four_ranks" if case.endswith(" x2") else "two_ranks")[case]
     expected = policy.collectives(m["sync"], m["accum"], m["replicas"])
     got = policy.Collectives(**{kind: int(n) for kind, n in m["collectives"].items()})
     print(f"{case} (replicas {m['replicas']}): measured {got}, plan {expected}")
@@ -62,12 +70,13 @@ def test_collectives_per_step_are_what_the_plan_prints(measured, case):
     assert policy.collectives_per_step(m["sync"], m["accum"], m["replicas"]) in row, row
 
 
-def test_memory_held_between_microbatches_orders_as_the_plan_says(measured):
+def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
     held = {
-        sync: max(measured[f"{sync}:3"]["bytes_between_microbatches"]) for sync in ("every", "last", "last-keep-params")
+        sync: max(two_ranks[f"{sync}:3"]["bytes_between_microbatches"])
+        for sync in ("every", "last", "last-keep-params")
     }
     print("live tensor bytes between microbatches (rank 0):", held)
-    assert held["every"] < held["last"] < held["last-keep-params"]
+    assert held["every"] < held["last"] < held["last-keep-params"], held
     size = policy.ModelSize(n_params=1000, compute_bytes=4)
     planned = [policy.extra_bytes(sync, size) for sync in ("every", "last", "last-keep-params")]
     assert planned == sorted(set(planned)), "the plan orders them the same way"
@@ -77,6 +86,6 @@ def test_memory_held_between_microbatches_orders_as_the_plan_says(measured):
     assert 0.25 < up_grads / up_params < 4, held
 
 
-def test_activation_checkpointing_recomputes_each_layer_in_backward(measured):
-    assert measured["every:3"]["layer_forwards_per_microbatch"] == [1.0, 1.0]
-    assert measured["every:2:ac"]["layer_forwards_per_microbatch"] == [2.0, 2.0]
+def test_activation_checkpointing_recomputes_each_layer_in_backward(two_ranks):
+    assert two_ranks["every:3"]["layer_forwards_per_microbatch"] == [1.0, 1.0]
+    assert two_ranks["every:2:ac"]["layer_forwards_per_microbatch"] == [2.0, 2.0]
