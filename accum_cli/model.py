@@ -75,6 +75,11 @@ def load_config(source: ModelSource, trust_remote_code: bool):
         with _quiet_transformers():  # its warnings on a broken config would bury our one line
             config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
+        if "custom code" in str(exc) or "trust_remote_code" in str(exc):
+            raise UserError(
+                f"--model {source.name} ships its own code (auto_map) to run at load; read it, then pass "
+                "--trust-remote-code if you trust it"
+            ) from None
         hint = "" if source.is_local else " (is the hub reachable from here?)"
         raise UserError(f"--model {source.name}: cannot read its config{hint}: {first_line(exc)}") from None
     for name in SIZE_FIELDS:
@@ -347,6 +352,10 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool) -> Non
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
+    # Gathered shards are separate tensors even where the model ties them, so save_pretrained
+    # cannot see the tie and would store the tensor twice: keep the name the model stores it as.
+    for tied_name in model.get_expanded_tied_weights_keys(all_submodels=True):
+        state.pop(tied_name, None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:

@@ -1,20 +1,38 @@
-"""Safety: nothing in the package unpickles files, and remote code needs asking."""
+"""Safety: code shipped with a model never runs unless --trust-remote-code is given. (Checkpoints
+that try to run code are attacked for real in test_trust.py.)"""
 
-import re
-from pathlib import Path
+import json
+import subprocess
+import sys
 
-PACKAGE = Path(__file__).resolve().parents[1] / "accum_cli"
-
-
-def test_the_package_never_unpickles_or_torch_loads():
-    for source in PACKAGE.rglob("*.py"):
-        text = source.read_text()
-        assert not re.search(r"\bpickle\.loads?\(|\btorch\.load\(", text), source
+import pytest
+from helpers import REPO, env, save_tiny_model
 
 
-def test_remote_code_is_off_unless_asked():
-    from accum_cli.config import TrainConfig
+def plant_code(model, sentinel, model_type: str) -> None:
+    (model / "evil_modeling.py").write_text(
+        f"import pathlib\npathlib.Path({str(sentinel)!r}).touch()\n"
+        "from transformers import LlamaConfig as EvilConfig, LlamaForCausalLM as EvilForCausalLM\n"
+    )
+    config = json.loads((model / "config.json").read_text())
+    config["model_type"] = model_type
+    config["auto_map"] = {"AutoConfig": "evil_modeling.EvilConfig",
+                          "AutoModelForCausalLM": "evil_modeling.EvilForCausalLM"}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
 
-    assert TrainConfig().trust_remote_code is False
-    for source in PACKAGE.rglob("*.py"):
-        assert "trust_remote_code=True" not in source.read_text(), source
+
+@pytest.mark.parametrize("model_type, code", [("llama", 0), ("evil-llm", 2)], ids=["known type", "unknown type"])
+def test_code_shipped_with_a_model_never_runs_unasked(tmp_path, model_type, code):
+    """A known model type trains with transformers' own class; an unknown one is refused."""
+    model = save_tiny_model(tmp_path / "model")
+    sentinel = tmp_path / "remote-code-ran"
+    plant_code(model, sentinel, model_type)
+    result = subprocess.run(
+        [sys.executable, "-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
+         "--micro-batch", "8", "--output-dir", str(tmp_path / "out")],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == code, result.stdout + result.stderr
+    assert not sentinel.exists(), "the model's code ran without --trust-remote-code"
+    if code == 2:
+        assert "--trust-remote-code" in result.stderr and not (tmp_path / "out").exists()
