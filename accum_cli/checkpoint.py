@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from accum_cli import model as modeling
+from accum_cli.config import RESUME_AUTO, RESUME_LATEST
 from accum_cli.errors import UserError, first_line
 
 CHECKPOINTS = "checkpoints"
@@ -117,10 +119,14 @@ def read_meta(path: Path, flag: str = "--resume") -> Meta:
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Meta | None:
+    """The checkpoint to continue from: None for a fresh start (no --resume, or --resume auto
+    on an output dir that holds no complete checkpoint yet)."""
     if resume is None:
         return None
-    if resume == "latest":
+    if resume in (RESUME_LATEST, RESUME_AUTO):
         found = latest(output_dir)
+        if found is None and resume == RESUME_AUTO:
+            return None
         if found is None:
             raise UserError(
                 f"--resume: no complete checkpoint in {output_dir / CHECKPOINTS}; pass --resume PATH or start fresh"
@@ -213,23 +219,28 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer, schedul
     return time.perf_counter() - started
 
 
-def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False) -> Path:
-    """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU."""
+def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, export_dtype: str = "auto") -> Path:
+    """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU, in
+    `export_dtype` (auto: the dtype the model's config declares)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     meta = read_meta(checkpoint, flag="checkpoint")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise UserError(f"export target {out_dir} is not empty; pass an empty or new folder")
     config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
+    dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(meta.path), no_dist=True)
     model.load_state_dict(state["model"])
+    model.to(dtype)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    modeling.stamp_dtype(tmp, dtype)
     with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
         AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)
+    modeling.follow_umask(tmp)
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)

@@ -12,6 +12,7 @@ from accum_cli import options
 from accum_cli.config import (
     BATCH,
     CHECKPOINTS,
+    EXPORT_DTYPES,
     LAUNCH,
     MODEL_DATA,
     RESUME_AUTO,
@@ -214,6 +215,13 @@ def export_main(
     ],
     out: Annotated[str, typer.Argument(help="New or empty folder for the Hugging Face model.")],
     trust_remote_code: Annotated[bool, Opt("--trust-remote-code", help="Run code shipped with the model.")] = False,
+    export_dtype: Annotated[
+        str,
+        Opt(
+            help="dtype of the exported weights; auto: the dtype the model's config declares, fp32 if none.",
+            metavar="[" + "|".join(EXPORT_DTYPES) + "]",
+        ),
+    ] = "auto",
 ) -> None:
     """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
     from pathlib import Path
@@ -221,7 +229,9 @@ def export_main(
     from accum_cli.checkpoint import export
 
     try:
-        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code)
+        if export_dtype not in EXPORT_DTYPES:
+            raise UserError(f"--export-dtype {export_dtype!r} is unknown; use one of: {', '.join(EXPORT_DTYPES)}")
+        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code, export_dtype)
     except UserError as exc:
         fail(str(exc))
     print(f"exported {checkpoint} -> {target}")

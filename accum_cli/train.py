@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from accum_cli import checkpoint, data, optim, policy, prepare, runtime, sharding, sources
 from accum_cli import model as modeling
-from accum_cli.config import TrainConfig
+from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
@@ -217,8 +217,14 @@ class Preempted(Exception):
     """Every rank agreed to stop after a signal; a checkpoint was saved."""
 
 
-def describe_resume(meta: checkpoint.Meta, plan: Plan) -> list[str]:
-    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed)"]
+def describe_resume(meta: checkpoint.Meta | None, plan: Plan, resume: str | None, out: Path) -> list[str]:
+    """What the run continues from, and whether it is the same training as an uninterrupted run."""
+    if resume is None:
+        return []
+    if meta is None:  # --resume auto, nothing to continue
+        return [f"resume            auto: no complete checkpoint in {out / checkpoint.CHECKPOINTS}, starting fresh"]
+    how = " (auto: the newest complete one)" if resume == RESUME_AUTO else ""
+    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
     before = (meta.world_size, meta.micro_batch)
     now = (plan.world_size, plan.micro_batch)
     if before != now:
@@ -265,7 +271,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
                 f"sharding          {s.settings.describe()}",
                 f"sync policy       {s.decision.policy} ({s.decision.reason})",
                 *(f"note              {note}" for note in s.settings.notes),
-                *(describe_resume(s.resume, plan) if s.resume else []),
+                *describe_resume(s.resume, plan, resume, s.output_dir),
             ],
             "run",
         )
@@ -340,7 +346,8 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
                 save_checkpoint(done, samples)
         save_checkpoint(s.total_steps, samples)
-        modeling.save_final(model, s.tokenizer, s.output_dir / "final", rt.is_main)
+        export_dtype = modeling.export_dtype(cfg.export_dtype, s.model_config)
+        modeling.save_final(model, s.tokenizer, s.output_dir / "final", rt.is_main, export_dtype)
         summary = reporter.last or {}
         if rt.is_main:
             print_lines(
@@ -348,7 +355,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
                     f"steps             {s.total_steps}",
                     f"final loss        {summary.get('loss', float('nan')):.4f}",
                     f"tokens            {reporter.tokens_total:,} in {summary.get('elapsed_s', 0):.1f} s",
-                    f"model             {s.output_dir / 'final'}",
+                    f"model             {s.output_dir / 'final'} ({str(export_dtype).removeprefix('torch.')})",
                     f"metrics           {s.output_dir / 'metrics.jsonl'}",
                 ],
                 "done",

@@ -160,3 +160,26 @@ def test_print_config_is_a_recipe_of_the_resolved_configuration(tmp_path):
     cfg = build_config(str(printed), {})
     assert cfg == build_config(str(recipe), {"micro_batch": 4, "dataset_config": "1e5", "packing": False})
     assert (cfg.lr, cfg.global_batch, cfg.micro_batch, cfg.dataset_config) == (3e-4, 128, 4, "1e5")
+
+
+@pytest.mark.parametrize("code, requeued", [(75, True), (0, False), (1, False)])
+def test_the_slurm_recipe_requeues_itself_after_a_preemption_and_only_then(tmp_path, code, requeued):
+    """The real sbatch script with srun, scontrol and accum-train replaced by recorders."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'SLURM_NODEID=0 "$@"',
+        "scontrol": f'[ "$1" = show ] && echo node0 || echo "scontrol $*" >> {log}',
+        "accum-train": f'echo "accum-train $*" >> {log}; exit {code}',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0",
+           "SLURM_NNODES": "1"}  # fmt: skip
+    result = subprocess.run(["bash", str(RECIPES / "slurm/train.sbatch"), "r.yaml"], env=env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert result.returncode == code, result.stdout + result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("accum-train --recipe r.yaml --resume auto --nproc 8 --nnodes 1 --node-rank 0")
+    assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
