@@ -20,6 +20,7 @@ from typer.core import TyperCommand
 
 from accum_cli import config
 
+ARGUMENTS = "Arguments"
 GENERAL = "Options"
 
 
@@ -66,8 +67,9 @@ class PanelHelp(TyperCommand):
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                groups.setdefault(getattr(param, "rich_help_panel", None) or GENERAL, []).append(record)
-        for panel in (GENERAL, *config.PANELS):
+                panel = ARGUMENTS if param.param_type_name == "argument" else getattr(param, "rich_help_panel", None)
+                groups.setdefault(panel or GENERAL, []).append(record)
+        for panel in (ARGUMENTS, GENERAL, *config.PANELS):
             if panel in groups:
                 with formatter.section(panel):
                     formatter.write_dl(groups.pop(panel))
