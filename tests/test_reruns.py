@@ -16,7 +16,7 @@ import torch
 from helpers import REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.distributed  # real training subprocesses (one rank each): the slow set
+slow = pytest.mark.distributed  # real training subprocesses (one rank each): the slow set
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,7 @@ def assert_same_model(a: Path, b: Path) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
+@slow
 def test_a_runs_config_json_is_a_recipe_that_reproduces_it(root, tmp_path):
     first, again = tmp_path / "first", tmp_path / "again"
     ok(run_cli([*train_args(root, first, 3), "--lr-schedule", "constant", "--adam-beta2", "0.9"]))
@@ -73,6 +74,7 @@ def sigterm_after(proc: subprocess.Popen, metrics: Path, lines: int) -> tuple[st
     return stdout, stderr
 
 
+@slow
 def test_one_command_line_survives_two_preemptions_bit_for_bit(root, tmp_path):
     """The same command (`--resume auto`) run three times, stopped by SIGTERM twice, ends with
     the model and the per-step losses of an uninterrupted run, bit for bit."""
@@ -106,6 +108,7 @@ def umask(mask: int):
     return lambda: os.umask(mask)
 
 
+@slow
 def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -152,3 +155,18 @@ def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_p
         want = trained(ids).logits
         assert torch.equal(reloaded(ids).logits, want)
         assert torch.equal(AutoModelForCausalLM.from_pretrained(exports["auto"])(ids).logits, want)
+
+
+def test_the_export_dtype_is_the_one_the_model_declares():
+    from transformers import LlamaConfig
+
+    from accum_cli.model import export_dtype
+
+    bare = LlamaConfig()
+    assert export_dtype("auto", bare) == torch.float32, "a config that declares none: fp32"
+    assert export_dtype("auto", LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    older = LlamaConfig()
+    vars(older)["torch_dtype"] = "float16"  # transformers < 4.56 wrote this key
+    assert export_dtype("auto", older) == torch.float16
+    assert export_dtype("auto", LlamaConfig(dtype="float64")) == torch.float32, "one we do not export: fp32"
+    assert export_dtype("fp32", LlamaConfig(dtype="bfloat16")) == torch.float32
