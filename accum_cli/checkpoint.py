@@ -1,25 +1,29 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): save, resume, export.
 
 Layout of `OUTPUT_DIR/checkpoints/step-XXXXXX/`:
+- `.accum-train`: the marker, written first, so a later run knows the folder is ours;
 - DCP shards and `.metadata`: the model and optimizer state, each rank writing its shards;
-  DCP reshards on load, so a run can resume with another world size or micro batch.
-- `rng-rankN.safetensors`: each rank's RNG state (tensors only, no pickle).
-- `config.json` and tokenizer files: the model's, so the checkpoint exports on its own.
-- `meta.json`, written last: step, data position (global samples consumed), the LR
-  scheduler, the layout it was saved with, the model's fingerprint, the size of every shard
-  (a torn copy is refused up front) and the SHA-256 of DCP's `.metadata` file. DCP unpickles that file on load, so it is verified first: a checkpoint
-  that this tool did not write completely is refused before anything is unpickled.
+  DCP reshards on load, so a run can resume with another world size or micro batch;
+- `rng-rankN.safetensors`: each rank's RNG state (tensors only, no pickle);
+- `config.json` and tokenizer files: the model's, so the checkpoint exports on its own;
+- `meta.json`, written last: step, data position (global samples consumed), the layout, the
+  model's and the data's fingerprints, and the size and SHA-256 of every other file. The
+  learning-rate schedule is not stored: it is a function of the step.
 
 A checkpoint is written under a hidden temporary name and renamed when complete, so a crash
-mid-save leaves the previous checkpoint intact and no half-written one visible.
+mid-save leaves the previous checkpoint intact and no half-written one visible. Loading
+verifies meta.json's every field and every byte it reads, and never runs code from the
+checkpoint (safe_dcp.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,12 +38,26 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from accum_cli import model as modeling
+from accum_cli import outdir, safe_dcp
 from accum_cli.config import RESUME_AUTO, RESUME_LATEST
 from accum_cli.errors import UserError, first_line
+from accum_cli.runtime import all_ok
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MAX_META_BYTES = 1 << 20
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_HEX = re.compile(r"^[0-9a-f]+$")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint or the final model could not be written
+
+
+class SaveFailed(Exception):
+    """A checkpoint or the final model could not be written (disk full, permissions); the
+    previous checkpoint is intact and nothing half-written is left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +65,24 @@ class Meta:
     path: Path
     step: int  # optimizer steps completed
     samples: int  # global samples consumed: the data position
+    origin_step: int  # the step from which the current global batch applies (0, or an elastic resume's)
+    origin_samples: int  # the data position at origin_step
     global_batch: int
     micro_batch: int
     world_size: int
     seed: int
-    fingerprint: str
-    scheduler: dict
-    metadata_sha256: str
-    shard_bytes: dict  # DCP file name -> size: a torn or missing shard is caught before loading
+    fingerprint: str  # the model's parameter names and shapes
+    data: str  # the prepared data's identity
+    files: dict  # file name -> {"bytes", "sha256"}, every file but meta.json
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / CHECKPOINTS / f"step-{step:06d}"
+
+
+def step_of(folder: Path) -> int | None:
+    match = _STEP_DIR.match(folder.name)
+    return int(match.group(1)) if match else None
 
 
 def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
@@ -67,28 +91,87 @@ def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Our complete checkpoints under OUTPUT_DIR/checkpoints, oldest first, by step number."""
+    folder = root / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if step_of(p) is not None and (p / META).is_file()]
+    return sorted(found, key=step_of)
 
 
 def latest(root: Path) -> Path | None:
     """The newest complete checkpoint under OUTPUT_DIR/checkpoints, if any."""
-    folder = root / CHECKPOINTS
-    if not folder.is_dir():
-        return None
-    complete = sorted(p for p in folder.glob("step-*") if (p / META).is_file())
+    complete = complete_checkpoints(root)
     return complete[-1] if complete else None
 
 
+def _validated(raw: object) -> dict:
+    """meta.json's fields, each checked for type, range and consistency; ValueError names the first wrong one."""
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    if raw.get("format") != FORMAT_VERSION:
+        raise ValueError(f"format {str(raw.get('format'))[:20]}, this accum-train reads format {FORMAT_VERSION}")
+
+    def integer(name: str, low: int, high: int = 2**63) -> int:
+        value = raw.get(name)
+        if type(value) is not int or not low <= value < high:
+            raise ValueError(f"{name} must be an integer >= {low}, got {str(value)[:40]!r}")
+        return value
+
+    def text(name: str, pattern: re.Pattern, max_len: int) -> str:
+        value = raw.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= max_len or not pattern.match(value):
+            raise ValueError(f"{name} is malformed")
+        return value
+
+    fields = {
+        "step": integer("step", 1),
+        "samples": integer("samples", 1),
+        "origin_step": integer("origin_step", 0),
+        "origin_samples": integer("origin_samples", 0),
+        "global_batch": integer("global_batch", 1),
+        "micro_batch": integer("micro_batch", 1),
+        "world_size": integer("world_size", 1),
+        "seed": integer("seed", 0, 2**64),
+        "fingerprint": text("fingerprint", _HEX, 64),
+        "data": text("data", re.compile(r"^[\w.:-]+$"), 200),
+    }
+    if fields["origin_step"] >= fields["step"]:
+        raise ValueError(f"origin_step {fields['origin_step']} is not before step {fields['step']}")
+    implied = fields["origin_samples"] + (fields["step"] - fields["origin_step"]) * fields["global_batch"]
+    if fields["samples"] != implied or fields["origin_samples"] < fields["origin_step"]:
+        raise ValueError(f"samples {fields['samples']} is not what the steps imply ({implied})")
+    files = raw.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files or len(files) > 100_000:
+        raise ValueError("files must list every file of the checkpoint, .metadata included")
+    for name, entry in files.items():
+        ok = (
+            safe_dcp.valid_file_name(name)
+            and name != META
+            and isinstance(entry, dict)
+            and type(entry.get("bytes")) is int
+            and entry["bytes"] >= 0
+            and isinstance(entry.get("sha256"), str)
+            and len(entry["sha256"]) == 64
+            and _HEX.match(entry["sha256"])
+        )
+        if not ok:
+            raise ValueError(f"files entry {str(name)[:60]!r} is malformed")
+    fields["files"] = files
+    return fields
+
+
 def read_meta(path: Path, flag: str = "--resume") -> Meta:
-    """Validate a checkpoint folder before any collective or unpickling touches it."""
+    """Validate a checkpoint before any collective touches it: meta.json's every field, every
+    file present at its recorded size, and DCP's .metadata verified and safely unpickled."""
     if not path.exists():
         raise UserError(f"{flag} {path} does not exist; pass a checkpoint folder or --resume alone for the latest")
-    if path.is_dir() and (path / CHECKPOINTS).is_dir():  # an output dir: take its latest
+    if not path.is_dir():
+        raise UserError(
+            f"{flag} {path} is a file; pass a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) or an output dir"
+        )
+    if (path / CHECKPOINTS).is_dir():  # an output dir: take its latest
         found = latest(path)
         if found is None:
             raise UserError(f"{flag} {path}: no complete checkpoint under {path / CHECKPOINTS}")
@@ -97,24 +180,30 @@ def read_meta(path: Path, flag: str = "--resume") -> Meta:
     if not meta_file.is_file():
         raise UserError(f"{flag} {path} is incomplete (no {META}: the save did not finish); resume an earlier one")
     try:
-        raw = json.loads(meta_file.read_text())
-        if raw.get("format") != FORMAT_VERSION:
-            raise ValueError(f"format {raw.get('format')}")
-        meta = Meta(path=path, **{k: raw[k] for k in Meta.__dataclass_fields__ if k != "path"})
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{flag} {path}: {META} is corrupt ({exc}); resume an earlier checkpoint") from None
-    metadata = path / ".metadata"
-    if not metadata.is_file() or _sha256(metadata) != meta.metadata_sha256:
+        with open(meta_file, "rb") as f:
+            raw = f.read(MAX_META_BYTES + 1)
+        if len(raw) > MAX_META_BYTES:
+            raise ValueError("larger than any meta.json accum-train writes")
+        meta = Meta(path=path, **_validated(json.loads(raw)))
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: {META} cannot be read ({exc.strerror}); check its permissions") from None
+    except (ValueError, RecursionError) as exc:
         raise UserError(
-            f"{flag} {path} is corrupt: its DCP .metadata is missing or does not match {META}; "
-            "resume an earlier checkpoint"
-        )
-    for name, size in meta.shard_bytes.items():
-        shard = path / name
-        if not shard.is_file() or shard.stat().st_size != size:
+            f"{flag} {path}: {META} is corrupt ({first_line(exc)[:200]}); resume an earlier checkpoint"
+        ) from None
+    for name, entry in meta.files.items():
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"{flag} {path} is corrupt: file {name} is missing; resume an earlier checkpoint")
+        if file.stat().st_size != entry["bytes"]:
             raise UserError(
-                f"{flag} {path} is corrupt: shard {name} is missing or truncated; resume an earlier checkpoint"
+                f"{flag} {path} is corrupt: file {name} is {file.stat().st_size} bytes but {entry['bytes']} were "
+                "written (a torn copy, or altered); resume an earlier checkpoint"
             )
+    try:
+        safe_dcp.read_metadata(path, meta.files)
+    except safe_dcp.UnsafeCheckpoint as exc:
+        raise safe_dcp.as_user_error(exc, path, flag) from None
     return meta
 
 
@@ -135,84 +224,201 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Meta | None:
     return read_meta(Path(resume).expanduser())
 
 
+def _state_bytes(state: dict, device: torch.device) -> int:
+    """Bytes of the whole training state, summed over ranks: what a checkpoint needs on disk."""
+    local = 0
+    for value in _leaves(state):
+        if isinstance(value, torch.Tensor):
+            tensor = value.to_local() if hasattr(value, "to_local") else value
+            local += tensor.numel() * tensor.element_size()
+    total = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
+def _chmod_as_umask(path: Path) -> None:
+    """safetensors writes 0600; everything else here follows the umask, and so must it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save(
     root: Path,
     step: int,
     samples: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler,
-    layout: dict,
-    model_fingerprint: str,
+    record: dict,
     model_config,
     tokenizer,
     keep: int,
     is_main: bool,
+    device: torch.device,
 ) -> tuple[Path, float]:
-    """Collective: every rank writes its shards; rank 0 seals the checkpoint. Returns (path, seconds)."""
+    """Collective: every rank writes and checksums its shards; rank 0 seals the checkpoint.
+
+    `record` holds the layout, origin and fingerprints stored in meta.json. Returns (path,
+    seconds). Raises SaveFailed on every rank when any rank could not write."""
     started = time.perf_counter()
     final = step_dir(root, step)
     tmp = final.parent / f".tmp-{final.name}"
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, str(tmp / f"rng-rank{dist.get_rank()}.safetensors"))
-    dist.barrier()
-    if is_main:
-        model_config.save_pretrained(tmp)  # so the checkpoint exports on its own
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "samples": samples,
-            **layout,
-            "fingerprint": model_fingerprint,
-            "scheduler": scheduler.state_dict(),
-            "metadata_sha256": _sha256(tmp / ".metadata"),
-            "shard_bytes": {p.name: p.stat().st_size for p in sorted(tmp.glob("*.distcp"))},
-        }
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # a re-save of the same step (resumed run): replace it whole
-            shutil.rmtree(final)
-        tmp.rename(final)
+    state = {"model": model_state, "optim": optim_state}
+    rng_file = tmp / f"rng-rank{rank}.safetensors"
+
+    def open_folder() -> None:
+        if tmp.exists() and outdir.is_marked(tmp):
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        outdir.mark(tmp, "checkpoint")
+
+    def write_shards() -> None:
+        dcp.save(state, checkpoint_id=str(tmp))
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(rng_file))
+        _chmod_as_umask(rng_file)
+
+    def checksum_my_share() -> None:
+        # Each rank checksums a share of the shards, so sealing costs no more than writing.
+        shards = sorted(p.name for p in tmp.glob("*.distcp"))
+        mine = [*shards[rank::world], rng_file.name]
+        (tmp / f".digests-rank{rank}.json").write_text(json.dumps(safe_dcp.record_files(tmp, mine)))
+
+    def seal() -> None:
+        _seal(tmp, final, step, samples, record, model_config, tokenizer, world)
         prune(root, keep)
-    dist.barrier()
+
+    # Each phase ends with every rank agreeing that it succeeded everywhere: a rank that
+    # cannot write must not leave the others waiting in a collective it will never join.
+    error: BaseException | None = None
+    for phase, on_every_rank in ((open_folder, False), (write_shards, True), (checksum_my_share, True), (seal, False)):
+        if on_every_rank or is_main:
+            try:
+                phase()
+            except (OSError, CheckpointException) as exc:  # CheckpointException is a BaseException
+                error = exc
+        if not all_ok(error is None, device):
+            need = _state_bytes(state, device)
+            if is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(_save_failure(final, error, need, root))
     return final, time.perf_counter() - started
 
 
+def _seal(tmp: Path, final: Path, step: int, samples: int, record: dict, model_config, tokenizer, world: int) -> None:
+    """Rank 0: the model's config and tokenizer, then meta.json (fsynced), then the rename."""
+    model_config.save_pretrained(tmp)  # so the checkpoint exports on its own
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    files: dict[str, dict] = {}
+    for r in range(world):
+        digests = tmp / f".digests-rank{r}.json"
+        files.update(json.loads(digests.read_text()))
+        digests.unlink()
+    others = [p.name for p in tmp.iterdir() if p.is_file() and p.name not in files and p.name != outdir.MARKER]
+    files.update(safe_dcp.record_files(tmp, others))
+    meta = {"format": FORMAT_VERSION, "step": step, "samples": samples, **record, "files": files}
+    with open(tmp / META, "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists() and outdir.is_marked(final):  # a re-save of the same step (resumed run)
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def _save_failure(final: Path, error: BaseException | None, need: int, root: Path) -> str:
+    code = getattr(error, "errno", None)
+    if isinstance(error, CheckpointException):  # DCP wraps each rank's exception
+        for pair in error.failures.values():
+            inner = pair[0] if isinstance(pair, tuple) else pair
+            code = getattr(inner, "errno", None) or code
+    try:
+        free = shutil.disk_usage(final.parent if final.parent.exists() else root).free
+    except OSError:
+        free = 0
+    previous = latest(root)
+    kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+    if code in DISK_FULL:
+        why = f"the disk is full (about {_mb(need)} needed, {_mb(free)} free)"
+        fix = "free space or pass another --output-dir, then --resume"
+    else:
+        why = f"{first_line(error) if error else 'another rank failed'}"[:300]
+        fix = "check the folder's permissions and space, then --resume"
+    return f"checkpoint {final} could not be written: {why}; {kept}; {fix}"
+
+
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:,.1f} MB"
+
+
 def prune(root: Path, keep: int) -> None:
-    folder = root / CHECKPOINTS
-    complete = sorted(p for p in folder.glob("step-*") if (p / META).is_file())
+    """Keep the newest `keep` complete checkpoints; remove our older ones."""
+    complete = complete_checkpoints(root)
     for old in complete[: max(len(complete) - keep, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if outdir.is_marked(old):
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> float:
-    """Collective: restore model, optimizer, scheduler and this rank's RNG. Returns seconds."""
+def tidy(root: Path) -> list[str]:
+    """At a run's start: remove what an interrupted save of ours left (temporary folders,
+    checkpoints without meta.json). Returns what was removed."""
+    folder = root / CHECKPOINTS
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        leftover = entry.name.startswith(".tmp-step-") or (step_of(entry) is not None and not (entry / META).exists())
+        if entry.is_dir() and leftover and outdir.is_marked(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def _refusal(exc: BaseException, path: Path, flag: str) -> UserError:
+    problem = safe_dcp.problem_in(exc)
+    if problem is not None:
+        return UserError(f"{flag} {path} is refused: {problem}; use a checkpoint you trust or an earlier one")
+    return UserError(f"{flag} {path} could not be read ({first_line(exc)[:200]}); resume an earlier checkpoint")
+
+
+def _dcp_load(state: dict, meta: Meta, flag: str, no_dist: bool = False) -> None:
+    try:
+        metadata = safe_dcp.read_metadata(meta.path, meta.files)
+        reader = safe_dcp.VerifiedReader(meta.path, meta.files, metadata)
+        dcp.load(state, storage_reader=reader, planner=safe_dcp.WeightsOnlyPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise _refusal(exc, meta.path, flag) from None
+
+
+def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Collective: restore model, optimizer and this rank's RNG. Returns seconds."""
     started = time.perf_counter()
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    try:
-        dcp.load(state, checkpoint_id=str(meta.path))
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-        raise UserError(
-            f"--resume {meta.path} could not be read ({first_line(exc)}); resume an earlier checkpoint"
-        ) from None
+    _dcp_load(state, meta, "--resume")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(meta.scheduler)
-    rng_file = meta.path / f"rng-rank{dist.get_rank()}.safetensors"
-    if rng_file.is_file():  # a rank that did not exist in the saved layout keeps its seeded state
-        rng = load_file(str(rng_file))
+    rng_name = f"rng-rank{dist.get_rank()}.safetensors"
+    if rng_name in meta.files:  # a rank that did not exist in the saved layout keeps its seeded state
+        try:
+            rng = load_file(str(safe_dcp.verify_file(meta.path, rng_name, meta.files)))
+        except safe_dcp.UnsafeCheckpoint as exc:
+            raise safe_dcp.as_user_error(exc, meta.path, "--resume") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -225,23 +431,40 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     meta = read_meta(checkpoint, flag="checkpoint")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"export target {out_dir} is not empty; pass an empty or new folder")
+    try:  # config and tokenizer files are read by transformers: verify them first
+        for name in meta.files:
+            if not name.endswith(".distcp") and name != ".metadata":
+                safe_dcp.verify_file(meta.path, name, meta.files)
+    except safe_dcp.UnsafeCheckpoint as exc:
+        raise safe_dcp.as_user_error(exc, meta.path, "checkpoint") from None
     config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
     dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(meta.path), no_dist=True)
+    _dcp_load(state, meta, "checkpoint", no_dist=True)
     model.load_state_dict(state["model"])
     model.to(dtype)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    modeling.stamp_dtype(tmp, dtype)
-    with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
-        AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)
-    modeling.follow_umask(tmp)
-    if out_dir.exists():
-        out_dir.rmdir()
-    tmp.rename(out_dir)
+    if tmp.exists() and outdir.is_marked(tmp):
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        outdir.mark(tmp, "export")
+        model.save_pretrained(tmp, safe_serialization=True)
+        modeling.stamp_dtype(tmp, dtype)
+        with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
+            AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)
+        for written in tmp.glob("*.safetensors"):
+            _chmod_as_umask(written)
+        (tmp / outdir.MARKER).unlink()  # the exported model is the user's from here on
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"export to {out_dir} failed ({exc.strerror or exc}); check its space and permissions"
+        ) from None
     return out_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -21,7 +22,8 @@ from accum_cli.config import (
     build_config,
 )
 from accum_cli.errors import EXIT_USAGE, UserError
-from accum_cli.runtime import env_rank, exit_process
+from accum_cli.launcher import WRAPPED
+from accum_cli.runtime import EXIT_PEER_LOST, env_rank, exit_process, peer_lost
 
 EXIT_NONFINITE = 3  # a NaN/inf loss or gradient norm with --on-nonfinite abort
 
@@ -161,20 +163,39 @@ def main(
                 raise UserError(f"--world-size must be a positive integer, got {world_size}")
             plan_only(cfg, world_size or 1)
             return
+        from accum_cli.checkpoint import EXIT_SAVE_FAILED, SaveFailed
         from accum_cli.loop import NonFiniteError
-        from accum_cli.signals import EXIT_PREEMPTED
+        from accum_cli.signals import EXIT_PREEMPTED, watch_launcher
         from accum_cli.train import Preempted, run
 
+        watch_launcher()
         try:
             run(cfg, resume, prepare_only)
         except NonFiniteError as exc:
             fail(f"non-finite values at {exc}; the last checkpoint is untouched", EXIT_NONFINITE)
+        except SaveFailed as exc:
+            fail(str(exc), EXIT_SAVE_FAILED)
+        except RuntimeError as exc:
+            if not peer_lost(exc):
+                raise
+            if os.environ.get(WRAPPED):  # the --nproc wrapper names the lost rank in its own line
+                raise SystemExit(EXIT_PEER_LOST) from None
+            fail(f"lost contact with another rank mid-run (it died or hung); {_last_checkpoint(cfg)}", EXIT_PEER_LOST)
         except Preempted as exc:
             if env_rank() == 0:
                 print(f"accum-train: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as exc:
         fail(str(exc))
+
+
+def _last_checkpoint(cfg) -> str:
+    from accum_cli.checkpoint import latest
+
+    newest = latest(Path(cfg.output_dir).expanduser())
+    if newest is None:
+        return "no checkpoint was written yet: start again"
+    return f"the last checkpoint {newest} is intact: rerun with --resume to continue"
 
 
 def launch(cfg, resume, raw_args, nproc, nnodes, node_rank, master_addr, master_port, accelerate_config) -> None:
@@ -187,7 +208,10 @@ def launch(cfg, resume, raw_args, nproc, nnodes, node_rank, master_addr, master_
     spec = launcher.Launch(nproc, nnodes, node_rank, master_addr, master_port, accelerate_config).validate()
     preflight(cfg, spec.world_size, resume)
     forwarded = launcher.worker_args(raw_args)
-    code = launcher.run(spec, launcher.mixed_precision_for(cfg.precision, spec), forwarded)
+    out = Path(cfg.output_dir).expanduser()
+    code, lost = launcher.run(spec, launcher.mixed_precision_for(cfg.precision, spec), forwarded, out)
+    if lost:  # a worker died without a word of its own (killed, crashed): say which, once
+        print(f"accum-train: error: {lost}; {_last_checkpoint(cfg)}", file=sys.stderr, flush=True)
     if code:
         raise SystemExit(code)
 
@@ -224,8 +248,6 @@ def export_main(
     ] = "auto",
 ) -> None:
     """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
-    from pathlib import Path
-
     from accum_cli.checkpoint import export
 
     try:

@@ -120,6 +120,10 @@ class TrainConfig:
         none_means="only at the end and on SIGTERM/SIGINT", ge=1,
     )  # fmt: skip
     keep_checkpoints: int = option(2, "Keep the latest K checkpoints.", CHECKPOINTS, ge=1)
+    allow_data_change: bool = option(
+        False, "Resume although the data, its preparation or its order (seed, eval split) changed since the "
+        "checkpoint (the training then differs).", CHECKPOINTS,
+    )  # fmt: skip
     # Launch: how the model sits on the devices (the training is the same whatever they are)
     precision: str = option("auto", "bf16 (bf16 params, fp32 gradient reduction) or fp32; auto: the accelerate "
                             "config's, else bf16 on CUDA and fp32 on CPU.", LAUNCH, choices=PRECISIONS)  # fmt: skip
@@ -135,8 +139,8 @@ class TrainConfig:
     # Output
     output_dir: str = option("runs/accum-train", "Where metrics.jsonl, config.json, checkpoints/ and final/ go.",
                              OUTPUT)  # fmt: skip
-    overwrite: bool = option(False, "Write into an output dir that holds a previous run (its files are replaced).",
-                             OUTPUT)  # fmt: skip
+    overwrite: bool = option(False, "Start afresh in an output dir that holds a previous accum-train run (only its "
+                             "own files are removed).", OUTPUT)  # fmt: skip
     export_dtype: str = option("auto", "dtype of final/ (training keeps fp32 master weights); auto: the dtype the "
                                "model's config declares, fp32 if none.", OUTPUT, choices=EXPORT_DTYPES)  # fmt: skip
 

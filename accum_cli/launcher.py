@@ -9,13 +9,18 @@ on a machine without CUDA, ACCELERATE_USE_CPU=1 keeps `--multi_gpu` from meaning
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from accum_cli.errors import UserError
 from accum_cli.signals import EXIT_PREEMPTED
+
+WRAPPED = "ACCUM_TRAIN_WRAPPED"  # set for workers started by the wrapper
 
 # Wrapper flags and whether they take a value; they are not forwarded to the workers.
 WRAPPER_FLAGS = {
@@ -104,27 +109,61 @@ def mixed_precision_for(precision: str, launch: Launch) -> str | None:
     return {"bf16": "bf16", "fp32": "no"}[precision]
 
 
-def run(launch: Launch, mixed_precision: str | None, forwarded: list[str]) -> int:
-    """Start the workers and wait; the exit code is the first failing worker's."""
+def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], output_dir: Path) -> tuple[int, str | None]:
+    """Start the workers and wait. Returns the first failing worker's exit code, and what
+    happened to a worker that died without reporting (killed by a signal), if one did."""
     import torch
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     if not torch.cuda.is_available():
         os.environ["ACCELERATE_USE_CPU"] = "1"
+    os.environ[WRAPPED] = "1"
+    # The workers report their own failures in one line; the agent's log lines would bury it.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = launch_command_parser().parse_args(accelerate_args(launch, mixed_precision, forwarded))
     try:
         launch_command(args)
     except subprocess.CalledProcessError as exc:  # one process: Accelerate's simple launcher
-        return exc.returncode or 1
+        return _died(0, exc.returncode) if exc.returncode < 0 else (exc.returncode or 1, None)
+    except SystemExit as exc:
+        # Accelerate turns a signal to the launcher (SIGTERM from Slurm, Ctrl-C) into exit
+        # 128 + signal, after the elastic agent forwarded it to the workers and let them stop.
+        code = exc.code if isinstance(exc.code, int) else 1
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and _nothing_lost(output_dir):
+            return EXIT_PREEMPTED, None
+        return code, None
     except Exception as exc:
-        if type(exc).__name__ == "SignalException":
-            # The launcher was signalled (SIGTERM from Slurm, Ctrl-C) and has forwarded the
-            # signal to the workers, which stopped at a step boundary and saved a checkpoint.
-            return EXIT_PREEMPTED
         # torch elastic's ChildFailedError carries each worker's exit code
         failures = getattr(exc, "failures", None)
         if not failures:
             raise
+        killed = {rank: f.exitcode for rank, f in failures.items() if isinstance(f.exitcode, int) and f.exitcode < 0}
+        if killed:
+            rank = min(killed)
+            return _died(rank, killed[rank])
         first = failures[min(failures)]
-        return first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
-    return 0
+        return (first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1), None
+    return 0, None
+
+
+def _died(rank: int, exitcode: int) -> tuple[int, str]:
+    """A worker killed by a signal (negative exit code): exit as a shell would, 128 + signal."""
+    name = signal.Signals(-exitcode).name if -exitcode in signal.Signals._value2member_map_ else f"signal {-exitcode}"
+    return 128 - exitcode, f"worker rank {rank} was killed by {name} (out of memory? killed by hand?)"
+
+
+def _nothing_lost(output_dir: Path) -> bool:
+    """The workers saved a checkpoint at the last step they completed: the run can resume as if
+    never stopped. (The agent does not hand their exit codes back, so the folder tells.)"""
+    from accum_cli import checkpoint
+
+    newest = checkpoint.latest(output_dir)
+    metrics = output_dir / "metrics.jsonl"
+    if newest is None or not metrics.is_file():
+        return False
+    lines = metrics.read_text().splitlines()
+    try:
+        completed = json.loads(lines[-1])["step"] + 1 if lines else 0
+    except (ValueError, KeyError, TypeError):
+        return False
+    return checkpoint.step_of(newest) == completed

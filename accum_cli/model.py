@@ -9,6 +9,7 @@ split one parameter across two groups).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -24,11 +25,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from accum_cli import outdir
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded" / "model"
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+MAX_LAYERS = 2048  # beyond any real model; a typo here would otherwise spend minutes building it
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -63,10 +68,15 @@ def load_config(source: ModelSource, trust_remote_code: bool):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+        with _quiet_transformers():  # its warnings on a broken config would bury our one line
+            config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         hint = "" if source.is_local else " (is the hub reachable from here?)"
         raise UserError(f"--model {source.name}: cannot read its config{hint}: {first_line(exc)}") from None
+    for name in SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise UserError(f"--model {source.name}: its config has {name} {value}; it must be a positive integer")
     remote_causal = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not (remote_causal and trust_remote_code):
         arch = ", ".join(getattr(config, "architectures", None) or [config.model_type])
@@ -79,13 +89,54 @@ def load_config(source: ModelSource, trust_remote_code: bool):
     return config
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def parameter_shapes(config, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes without allocating weights (meta device); tied weights once."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > MAX_LAYERS:
+        raise UserError(
+            f"the model's config asks for {layers:,} layers, more than the {MAX_LAYERS:,} accum-train builds; "
+            "check num_hidden_layers in its config.json"
+        )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a config no model can be built from (negative sizes, ...)
+        raise UserError(
+            f"the model's config does not describe a buildable model ({first_line(exc)[:200]}); fix its config.json"
+        ) from None
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_weights(source: ModelSource) -> None:
+    """Read every safetensors header (cheap): a corrupt or truncated weights file is refused
+    before any process group or file exists, not as a traceback mid-load."""
+    if not (source.is_local and source.has_weights):
+        return
+    from safetensors import safe_open
+
+    for file in sorted(Path(source.location).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                weights.keys()
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            raise UserError(
+                f"--model {source.name}: weights file {file.name} is corrupt or truncated "
+                f"({first_line(exc)[:120]}); restore it from its source"
+            ) from None
 
 
 def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) -> nn.Module:
@@ -234,12 +285,13 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
+        outdir.mark(tmp, "final model")
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         stamp_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
-        if out_dir.exists():
+        if out_dir.exists() and outdir.is_marked(out_dir):
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:

@@ -22,7 +22,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
 
 
 def build(model: nn.Module, cfg: TrainConfig, total_steps: int):
-    """AdamW with weight decay on matrices only; tied parameters appear once."""
+    """AdamW with weight decay on matrices only (tied parameters appear once), and its schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -34,8 +34,16 @@ def build(model: nn.Module, cfg: TrainConfig, total_steps: int):
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    return optimizer, schedule(optimizer, cfg, total_steps)
+
+
+def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, done_steps: int = 0):
+    """The LR schedule positioned after `done_steps` optimizer steps.
+
+    A checkpoint stores no scheduler state: the schedule is a function of the step, so a
+    resumed run rebuilds it here from the step and the restored optimizer's `initial_lr`."""
+    return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio),
+        last_epoch=done_steps - 1,
     )
-    return optimizer, scheduler

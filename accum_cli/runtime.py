@@ -90,9 +90,26 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def all_ok(ok: bool, device: torch.device) -> bool:
+    """Collective: True when every rank says ok, so that all ranks fail alike."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
+                   "NCCL communicator was aborted", "ProcessGroupNCCL", "gloo")  # fmt: skip
+EXIT_PEER_LOST = 76  # another rank died mid-run; the last checkpoint is intact
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """A collective failed because another rank's process died or hung."""
+    return isinstance(exc, dist.DistError) or any(sign in str(exc) for sign in PEER_LOST_SIGNS)
 
 
 def exit_process(code: int) -> None:

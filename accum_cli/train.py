@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accum_cli import checkpoint, data, optim, policy, prepare, runtime, sharding, sources
+from accum_cli import checkpoint, data, optim, outdir, policy, prepare, runtime, sharding, sources
 from accum_cli import model as modeling
 from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
@@ -23,6 +23,7 @@ from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
 from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_before, print_lines
 from accum_cli.plan import Plan
+from accum_cli.runtime import env_rank
 from accum_cli.sharding import ShardSettings
 from accum_cli.signals import StopRequest
 
@@ -48,25 +49,6 @@ def resolve_seq_len(cfg: TrainConfig, model_config) -> int:
 def model_size(shapes: dict[str, tuple[int, ...]], bf16: bool) -> policy.ModelSize:
     n_params = sum(math.prod(shape) for shape in shapes.values())
     return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
-
-
-def check_output_dir(cfg: TrainConfig, resuming: bool = False) -> Path:
-    """Refuse before any work: an unwritable place, or a previous run we would clobber."""
-    out = Path(cfg.output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {out} is a file; pass a folder")
-    if (out / "config.json").exists() and not (cfg.overwrite or resuming):
-        raise UserError(
-            f"--output-dir {out} holds a previous run; pass --resume to continue it, --overwrite, or another --output-dir"
-        )
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"--output-dir {out} cannot be created: {existing} is a file; pick another folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {out} cannot be written (no permission on {existing}); pick another folder")
-    return out
 
 
 def plan_only(cfg: TrainConfig, world_size: int) -> None:
@@ -117,12 +99,17 @@ class Setup:
     settings: ShardSettings
     output_dir: Path
     resume: checkpoint.Meta | None
+    data_id: str  # the prepared data and its order: a resume on other data is refused
+    lock: outdir.RunLock | None  # rank 0's hold on the output dir (None elsewhere, or for --prepare-only)
 
 
 def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
     """The cheap checks that need no process group: run by the launcher wrapper before it
     starts any worker, and by every worker before any collective, so all ranks fail alike."""
-    out = check_output_dir(cfg, resuming=resume is not None)
+    out = outdir.resolve(cfg.output_dir)
+    outdir.check(out, cfg.overwrite, resuming=resume is not None)
+    if env_rank() == 0:
+        outdir.probe(out)
     meta = checkpoint.resolve_resume(resume, out)
     if world_size is not None:
         plan = Plan(cfg.global_batch, cfg.micro_batch, world_size)
@@ -131,6 +118,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
         policy.shard_size(plan, cfg.replicas)
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
+    modeling.check_weights(source)
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
@@ -143,7 +131,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     return out, meta, source, model_config, seq_len, shapes
 
 
-def setup(cfg: TrainConfig, resume: str | None) -> Setup:
+def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
     raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
@@ -153,6 +141,7 @@ def setup(cfg: TrainConfig, resume: str | None) -> Setup:
     for rows in (raw, raw_eval):
         if rows is not None:
             prepare.check(rows, tokenizer, options)
+    data_id = data_identity(prepare.cache_key(raw, tokenizer, options, prepare.check(raw, tokenizer, options)), cfg)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
     rt = runtime.start()
@@ -196,10 +185,42 @@ def setup(cfg: TrainConfig, resume: str | None) -> Setup:
         raise UserError(
             f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
         )
+    if meta is not None and meta.data != data_id and not cfg.allow_data_change:
+        raise UserError(
+            f"--resume {meta.path} was trained on other data (the dataset, its preparation, --seed or "
+            "--eval-split-ratio changed); resume with the same data, or pass --allow-data-change to continue "
+            "knowingly (the training then differs from an uninterrupted run)"
+        )
+    # resuming: also --resume auto that found no checkpoint yet, in a folder that may hold the
+    # record of the same run killed before its first one (a fresh start then replaces it)
+    lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=resume is not None)
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
-        checkpoint.fingerprint(shapes), total_steps, settings, out, meta,
+        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, lock,
     )  # fmt: skip
+
+
+def data_identity(prepared_key: str, cfg: TrainConfig) -> str:
+    """The prepared data and everything that decides its order and split."""
+    text = json.dumps([prepared_key, cfg.seed, cfg.eval_split_ratio])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def hold_output_dir(cfg: TrainConfig, out: Path, rt: runtime.Runtime, resuming: bool) -> outdir.RunLock | None:
+    """Collective: rank 0 locks the output dir for the run's life and checks it again under the
+    lock (another run may have written it since the preflight); every rank fails alike."""
+    lock, problem = None, ""
+    if rt.is_main:
+        lock = outdir.RunLock(out)
+        try:
+            lock.acquire()
+            outdir.check(out, cfg.overwrite, resuming)
+        except UserError as exc:
+            lock.release()
+            problem = str(exc)
+    if not runtime.all_ok(not problem, rt.device):
+        raise UserError(problem)  # printed by rank 0 alone
+    return lock
 
 
 def split_for_eval(dataset, ratio: float, seed: int):
@@ -217,13 +238,8 @@ class Preempted(Exception):
     """Every rank agreed to stop after a signal; a checkpoint was saved."""
 
 
-def describe_resume(meta: checkpoint.Meta | None, plan: Plan, resume: str | None, out: Path) -> list[str]:
-    """What the run continues from, and whether it is the same training as an uninterrupted run."""
-    if resume is None:
-        return []
-    if meta is None:  # --resume auto, nothing to continue
-        return [f"resume            auto: no complete checkpoint in {out / checkpoint.CHECKPOINTS}, starting fresh"]
-    how = " (auto: the newest complete one)" if resume == RESUME_AUTO else ""
+def describe_resume(meta: checkpoint.Meta, plan: Plan, data_changed: bool = False, auto: bool = False) -> list[str]:
+    how = " (auto: the newest complete one)" if auto else ""
     lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
     before = (meta.world_size, meta.micro_batch)
     now = (plan.world_size, plan.micro_batch)
@@ -232,7 +248,12 @@ def describe_resume(meta: checkpoint.Meta | None, plan: Plan, resume: str | None
             f"layout changed   world size {meta.world_size} -> {plan.world_size}, "
             f"micro batch {meta.micro_batch} -> {plan.micro_batch}"
         )
-    if meta.global_batch == plan.global_batch:
+    if data_changed:
+        lines.append(
+            "data changed     --allow-data-change: the data or its order differs from the checkpoint's, "
+            "so the training differs from an uninterrupted run"
+        )
+    elif meta.global_batch == plan.global_batch:
         lines.append(
             f"unchanged        global batch {plan.global_batch} and the data order (seed {meta.seed}): "
             "the same training as an uninterrupted run"
@@ -249,35 +270,56 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
-    s = setup(cfg, resume)
-    rt, plan = s.rt, s.plan
-    if rt.is_main:
-        print_lines(plan.describe(s.seq_len), "plan")
-        mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
-        print_lines(
-            [
-                f"model             {s.source.name}: {s.size.n_params:,} parameters"
-                + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
-                *s.stats.describe(plan.global_batch),
-                "tokenisation      "
-                + (
-                    f"done once (on {s.tokenised_on} of {rt.world_size} ranks) and cached"
-                    if s.tokenised_on
-                    else "read from the cache (prepared by an earlier run)"
-                ),  # fmt: skip
-                f"training          {s.total_steps} optimizer steps"
-                + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
-                f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
-                f"sharding          {s.settings.describe()}",
-                f"sync policy       {s.decision.policy} ({s.decision.reason})",
-                *(f"note              {note}" for note in s.settings.notes),
-                *describe_resume(s.resume, plan, resume, s.output_dir),
-            ],
-            "run",
-        )
+    s = setup(cfg, resume, prepare_only)
+    try:
+        if s.rt.is_main:
+            print_lines(s.plan.describe(s.seq_len), "plan")
+            print_lines(describe_run(s, cfg, resume), "run")
+        if prepare_only:
+            return {"samples": s.stats.samples}
+        return train(s, cfg)
+    finally:
+        if s.lock is not None:
+            s.lock.release()
 
-    if prepare_only:
-        return {"samples": s.stats.samples}
+
+def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
+    rt = s.rt
+    mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
+    tokenised = (
+        f"done once (on {s.tokenised_on} of {rt.world_size} ranks) and cached"
+        if s.tokenised_on
+        else "read from the cache (prepared by an earlier run)"
+    )
+    lines = [
+        f"model             {s.source.name}: {s.size.n_params:,} parameters"
+        + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
+        *s.stats.describe(s.plan.global_batch),
+        f"tokenisation      {tokenised}",
+        f"training          {s.total_steps} optimizer steps"
+        + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
+        f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
+        f"sharding          {s.settings.describe()}",
+        f"sync policy       {s.decision.policy} ({s.decision.reason})",
+        *(f"note              {note}" for note in s.settings.notes),
+    ]
+    if s.lock is not None and s.lock.took_over is not None:
+        lines.append(
+            f"note              took over the stale lock of a run that is gone ({s.lock.took_over.describe()})"
+        )
+    if s.resume is not None:
+        auto = resume == RESUME_AUTO
+        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+    elif resume == RESUME_AUTO:
+        lines.append(
+            f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint.CHECKPOINTS}, starting fresh"
+        )
+    return lines
+
+
+def train(s: Setup, cfg: TrainConfig) -> dict:
+    """Build, restore, run the steps, save: the part of a run that changes the world."""
+    rt, plan = s.rt, s.plan
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
@@ -291,10 +333,13 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
         loss, tokens = eval_loss(model, eval_reader, rt.rank, rt.world_size, plan.micro_batch, rt.device)
         return {"eval_loss": loss, "eval_loss_tokens": tokens}
 
-    start_step, first_sample = 0, 0
+    start_step, first_sample, origin = 0, 0, (0, 0)
     if s.resume is not None:
-        seconds = checkpoint.load(s.resume, model, optimizer, scheduler)
+        seconds = checkpoint.load(s.resume, model, optimizer)
         start_step, first_sample = s.resume.step, s.resume.samples
+        scheduler = optim.schedule(optimizer, cfg, s.total_steps, done_steps=start_step)
+        same_batch = s.resume.global_batch == plan.global_batch
+        origin = (s.resume.origin_step, s.resume.origin_samples) if same_batch else (start_step, first_sample)
         if rt.is_main:
             print(f"checkpoint loaded in {seconds:.2f} s", flush=True)
 
@@ -302,12 +347,16 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
         _write_run_record(s, cfg, start_step)
     dist.barrier()
 
+    record = {
+        "origin_step": origin[0], "origin_samples": origin[1], "global_batch": plan.global_batch,
+        "micro_batch": plan.micro_batch, "world_size": plan.world_size, "seed": cfg.seed,
+        "fingerprint": s.fingerprint, "data": s.data_id,
+    }  # fmt: skip
+
     def save_checkpoint(step: int, samples: int) -> Path:
-        layout = {"global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
-                  "world_size": plan.world_size, "seed": cfg.seed}  # fmt: skip
         path, seconds = checkpoint.save(
-            s.output_dir, step, samples, model, optimizer, scheduler, layout, s.fingerprint,
-            s.model_config, s.tokenizer, cfg.keep_checkpoints, rt.is_main,
+            s.output_dir, step, samples, model, optimizer, record, s.model_config, s.tokenizer,
+            cfg.keep_checkpoints, rt.is_main, rt.device,
         )  # fmt: skip
         if rt.is_main:
             print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
@@ -345,9 +394,9 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
                 )
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
                 save_checkpoint(done, samples)
-        save_checkpoint(s.total_steps, samples)
+        last = save_checkpoint(s.total_steps, samples)
         export_dtype = modeling.export_dtype(cfg.export_dtype, s.model_config)
-        modeling.save_final(model, s.tokenizer, s.output_dir / "final", rt.is_main, export_dtype)
+        save_final_model(s, model, last, export_dtype)
         summary = reporter.last or {}
         if rt.is_main:
             print_lines(
@@ -363,14 +412,33 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
     return summary
 
 
+def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype) -> None:
+    """Collective: the HF-format model in `dtype`; a failed write leaves the final checkpoint to export from."""
+    error = None
+    try:
+        modeling.save_final(model, s.tokenizer, s.output_dir / "final", s.rt.is_main, dtype)
+    except OSError as exc:
+        error = exc
+    if not runtime.all_ok(error is None, s.rt.device):
+        why = f"{error.strerror or error}" if error else "it failed on rank 0"
+        raise checkpoint.SaveFailed(
+            f"the final model could not be written to {s.output_dir / 'final'} ({why}); the checkpoint "
+            f"{last_checkpoint} holds the trained state: free space, then accum-export {last_checkpoint} OUT"
+        )
+
+
 def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
-    s.output_dir.mkdir(parents=True, exist_ok=True)
+    """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json."""
+    out = s.output_dir
     if s.resume is not None:
-        keep_metrics_before(s.output_dir, start_step)
+        keep_metrics_before(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
-        (s.output_dir / "metrics.jsonl").unlink(missing_ok=True)
-        for old in ("checkpoints", "final"):
-            shutil.rmtree(s.output_dir / old, ignore_errors=True)
+        outdir.clear_previous_run(out)
+    if not outdir.is_marked(out):
+        outdir.mark(out, "run")
+    removed = checkpoint.tidy(out)
+    if removed:
+        print(f"removed what an interrupted save left: {', '.join(removed)}", flush=True)
     record = {
         "config": cfg.to_dict() | {"seq_len": s.seq_len},
         "plan": {
@@ -385,7 +453,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
         },
         "resumed_from": str(s.resume.path) if s.resume else None,
     }
-    (s.output_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _pad_id(s: Setup) -> int:

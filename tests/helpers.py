@@ -109,3 +109,42 @@ def read_metrics(out_dir: Path) -> list[dict]:
 def rel_err(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def worker_pids(marker: str) -> dict[int, int]:
+    """rank -> pid of the live worker processes whose command line holds `marker`."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
+        except OSError:
+            continue
+        rank = [e for e in environ if e.startswith(b"RANK=")]
+        if marker.encode() in cmdline and b"--nproc" not in cmdline and rank and state != "Z":
+            found[int(rank[0][5:])] = int(pid)
+    return found
+
+
+def wait_for_steps(out: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Block until a running run has logged `steps` optimizer steps."""
+    import time
+
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, f"the run ended early: {proc.returncode}"
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (relative path -> SHA-256): to prove nothing was touched."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }

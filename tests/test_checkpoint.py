@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import (
+    REPO,
+    env,
+    free_port,
+    read_metrics,
+    rel_err,
+    run_cli,
+    save_tiny_model,
+    worker_pids,
+    write_ragged_tokens,
+)
 from safetensors.torch import load_file, save_file
 
 from accum_cli.data import SampleOrder
@@ -96,21 +106,6 @@ def test_resume_continues_the_same_training(root, uninterrupted, tmp_path, sourc
     final, expected = load_file(out / "final/model.safetensors"), load_file(source / "final/model.safetensors")
     for name in final:
         assert rel_err(final[name], expected[name]) < 1e-5, name
-
-
-def worker_pids(marker: str) -> dict[int, int]:
-    """rank -> pid of the worker processes whose command line holds `marker`."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        rank = [e for e in environ if e.startswith(b"RANK=")]
-        if marker.encode() in cmdline and b"--nproc" not in cmdline and rank:
-            found[int(rank[0][5:])] = int(pid)
-    return found
 
 
 def test_sigterm_stops_every_rank_at_a_step_boundary_and_resume_is_exact(root, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,20 @@ def test_one_command_line_survives_two_preemptions_bit_for_bit(root, tmp_path):
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
     assert_same_model(out, reference)
+
+
+@slow
+def test_resume_auto_starts_afresh_where_the_same_run_died_before_its_first_checkpoint(root, tmp_path):
+    """kill -9 (a node lost) before any checkpoint: the folder holds the run's record and no
+    checkpoint; the requeued command starts over in it instead of refusing it."""
+    out = tmp_path / "run"
+    ok(run_cli(train_args(root, out, 1)))
+    shutil.rmtree(out / "checkpoints")  # as if killed before the first checkpoint was sealed
+    refused = run_cli([*train_args(root, out, 2)])
+    assert refused.returncode == 2 and "holds a previous run" in refused.stderr
+    again = ok(run_cli([*train_args(root, out, 2), "--resume", "auto"]))
+    assert "auto: no complete checkpoint in" in again.stdout and "starting fresh" in again.stdout
+    assert [m["step"] for m in read_metrics(out)] == [0, 1]
 
 
 def umask(mask: int):

@@ -1,0 +1,439 @@
+"""Trust: other people's files are sacred, nothing runs from a checkpoint, damaged state never
+loads, one run per folder, workers never outlive their launcher, a full disk costs nothing.
+
+Every test attempts the attack or the accident for real: files planted by hand, payloads
+written through pickle and DCP themselves, bytes flipped in real shards, real processes
+killed, a real (tmpfs) disk filled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    REPO,
+    env,
+    free_port,
+    read_metrics,
+    run_cli,
+    save_tiny_model,
+    tree_digest,
+    wait_for_steps,
+    worker_pids,
+    write_ragged_tokens,
+)
+from typer.testing import CliRunner
+
+from accum_cli.cli import app
+
+SENTINEL_NAME = "payload-ran"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trust")
+    save_tiny_model(root / "model")
+    write_ragged_tokens(root / "data.jsonl", n_rows=40)
+    return root
+
+
+def args(root: Path, out: Path, steps: int = 2, *extra: str) -> list[str]:
+    return ["--model", str(root / "model"), "--dataset", str(root / "data.jsonl"), "--global-batch", "8",
+            "--micro-batch", "4", "--max-steps", str(steps), "--output-dir", str(out), *extra]  # fmt: skip
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def one_error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("accum-train: error: "), text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+def invoke(argv: list[str]):
+    return CliRunner().invoke(app, argv)
+
+
+@pytest.fixture(scope="module")
+def trained(root, tmp_path_factory) -> Path:
+    """A real 2-step run with a checkpoint after each step (both kept)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    ok(run_cli(args(root, out, 2, "--checkpoint-every", "1", "--keep-checkpoints", "5")))
+    return out
+
+
+def copy_checkpoint(trained: Path, tmp_path: Path, step: int = 2) -> Path:
+    target = tmp_path / f"ckpt-{step}"
+    shutil.copytree(trained / "checkpoints" / f"step-{step:06d}", target)
+    return target
+
+
+def rewrite_record(ckpt: Path, *names: str) -> None:
+    """What an attacker with write access does: make meta.json agree with the altered files."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for name in names:
+        data = (ckpt / name).read_bytes()
+        meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates a sentinel file."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+# --- other people's files ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "--overwrite"])
+def test_a_folder_of_someone_elses_files_is_refused_and_left_alone(root, tmp_path, overwrite):
+    victim = tmp_path / "v"
+    (victim / "final").mkdir(parents=True)
+    (victim / "checkpoints").mkdir()
+    (victim / "final" / "precious.bin").write_bytes(b"weights of a week of training")
+    (victim / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    before = tree_digest(victim)
+    result = invoke([*args(root, victim, 1), *(["--overwrite"] if overwrite else [])])
+    assert result.exit_code == 2
+    line = one_error_line(result.output)
+    assert "holds files accum-train did not write" in line and "pass an empty or new folder" in line
+    assert tree_digest(victim) == before
+    assert sorted(p.name for p in victim.iterdir()) == ["checkpoints", "final", "metrics.jsonl"], "no lock left"
+
+
+def test_overwrite_removes_only_accum_trains_own_files(root, tmp_path):
+    out = tmp_path / "run"
+    ok(run_cli(args(root, out, 1)))
+    (out / "notes.txt").write_text("mine")
+    (out / "checkpoints" / "my-backup").mkdir()
+    (out / "checkpoints" / "my-backup" / "w.bin").write_bytes(b"mine too")
+    old_final = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    ok(run_cli([*args(root, out, 1), "--overwrite"]))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "checkpoints" / "my-backup" / "w.bin").read_bytes() == b"mine too"
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns != old_final
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my-backup", "step-000001"]
+
+
+def test_files_follow_the_umask(trained):
+    """safetensors writes 0600; a colleague on a shared filesystem must be able to read them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    rng = trained / "checkpoints" / "step-000002" / "rng-rank0.safetensors"
+    assert rng.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+# --- nothing runs from a checkpoint ------------------------------------------------------------
+
+
+def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
+    ckpt = copy_checkpoint(trained, tmp_path)
+    sentinel = tmp_path / SENTINEL_NAME
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(sentinel)))
+    rewrite_record(ckpt, ".metadata")
+    result = subprocess.run(
+        [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(ckpt),
+         str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert "is refused: its .metadata asks to load posix.system, which DCP never writes" in line
+    assert not sentinel.exists(), "the payload ran"
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_payload_in_resume_metadata_never_runs(root, trained, tmp_path):
+    ckpt = copy_checkpoint(trained, tmp_path)
+    sentinel = tmp_path / SENTINEL_NAME
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(sentinel)))
+    rewrite_record(ckpt, ".metadata")
+    result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
+    assert result.returncode == 2
+    assert "its .metadata asks to load posix.system" in one_error_line(result.stderr)
+    assert not sentinel.exists(), "the payload ran"
+
+
+def test_a_payload_in_a_shard_item_never_runs(root, trained, tmp_path):
+    """Non-tensor items (the optimizer's hyper-parameters) are pickled by DCP itself: plant one
+    through DCP's own writer, as an attacker would, and resume from it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = copy_checkpoint(trained, tmp_path)
+    dcp_to_torch_save(ckpt, tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    sentinel = tmp_path / SENTINEL_NAME
+    state["optim"]["param_groups"][0]["lr"] = Payload(sentinel)
+    for stale in [*ckpt.glob("*.distcp"), ckpt / ".metadata"]:
+        stale.unlink()
+    dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+    assert not sentinel.exists()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["files"] = {k: v for k, v in meta["files"].items() if not k.endswith(".distcp")}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    rewrite_record(ckpt, ".metadata", *(p.name for p in ckpt.glob("*.distcp")))
+
+    result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "is refused: an item holds objects that would run code when unpickled" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not sentinel.exists(), "the payload ran"
+    assert not (tmp_path / "out").exists(), "nothing is written"
+
+
+# --- damaged state never loads -----------------------------------------------------------------
+
+
+def shard_offsets(ckpt: Path) -> dict[str, tuple[str, int, int]]:
+    """fqn -> (file, offset, length) of each tensor in the checkpoint, from its verified metadata."""
+    from accum_cli import safe_dcp
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    metadata = safe_dcp.read_metadata(ckpt, meta["files"])
+    return {
+        index.fqn: (info.relative_path, info.offset, info.length)
+        for index, info in metadata.storage_data.items()
+        if info.length > 256
+    }
+
+
+def flip(path: Path, at: int, n: int = 16) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(at, at + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["model", "optim", "last-bytes"])
+def test_flipped_bytes_in_a_shard_are_refused(root, trained, tmp_path, where):
+    ckpt = copy_checkpoint(trained, tmp_path)
+    offsets = shard_offsets(ckpt)
+    if where == "last-bytes":
+        shard = next(ckpt.glob("*.distcp"))
+        flip(shard, shard.stat().st_size - 16)
+    else:
+        fqn = next(name for name in offsets if name.startswith(where) and "layers.1" in name)
+        file, offset, length = offsets[fqn]
+        flip(ckpt / file, offset + length // 2)
+    result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert "does not match the checksum written with it" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_same_size_shard_from_another_step_is_refused(root, trained, tmp_path):
+    ckpt = copy_checkpoint(trained, tmp_path, step=2)
+    older = trained / "checkpoints" / "step-000001"
+    for shard in older.glob("*.distcp"):
+        assert shard.stat().st_size == (ckpt / shard.name).stat().st_size
+        shutil.copy(shard, ckpt / shard.name)
+    result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
+    assert result.returncode == 2
+    assert "does not match the checksum written with it" in one_error_line(result.stderr)
+
+
+META_EDITS = [
+    ({"step": -1}, "step must be an integer >= 1"),
+    ({"step": 0}, "step must be an integer >= 1"),
+    ({"step": True}, "step must be an integer >= 1"),
+    ({"samples": "x"}, "samples must be an integer >= 1"),
+    ({"samples": 17}, "samples 17 is not what the steps imply (16)"),
+    ({"origin_step": 2}, "origin_step 2 is not before step 2"),
+    ({"global_batch": 0}, "global_batch must be an integer >= 1"),
+    ({"seed": 2**70}, "seed must be an integer >= 0"),
+    ({"fingerprint": "../../x"}, "fingerprint is malformed"),
+    ({"format": 1}, "format 1, this accum-train reads format 2"),
+    ({"files": {"../../etc/passwd": {"bytes": 1, "sha256": "0" * 64}}}, "files must list every file"),
+    ({"files": {".metadata": {"bytes": -1, "sha256": "0" * 64}}}, "files entry '.metadata' is malformed"),
+]
+
+
+@pytest.mark.parametrize("edit, message", META_EDITS, ids=[json.dumps(e[0])[:40] for e in META_EDITS])
+def test_an_edited_meta_json_is_refused_in_one_line(root, trained, tmp_path, edit, message):
+    ckpt = copy_checkpoint(trained, tmp_path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta.update(edit)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "out"
+    result = invoke([*args(root, out, 4), "--resume", str(ckpt)])
+    assert result.exit_code == 2
+    line = one_error_line(result.output)
+    assert "meta.json is corrupt" in line and message in line, line
+    assert not out.exists()
+
+
+def test_a_file_the_record_does_not_list_is_refused(root, trained, tmp_path):
+    """A .metadata that points a tensor at a file outside the record (say ../../elsewhere)."""
+    ckpt = copy_checkpoint(trained, tmp_path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    shard = next(name for name in meta["files"] if name.endswith(".distcp"))
+    (ckpt / shard).rename(ckpt / "renamed.distcp")
+    del meta["files"][shard]
+    meta["files"]["renamed.distcp"] = {"bytes": (ckpt / "renamed.distcp").stat().st_size, "sha256": "0" * 64}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    result = invoke([*args(root, tmp_path / "out", 4), "--resume", str(ckpt)])
+    assert result.exit_code == 2
+    assert "its .metadata points to a file that its meta.json does not list" in one_error_line(result.output)
+
+
+def test_resume_on_changed_data_is_refused_unless_allowed(root, trained, tmp_path):
+    changed = tmp_path / "changed.jsonl"
+    rows = (root / "data.jsonl").read_text().splitlines()
+    changed.write_text("\n".join(rows[:-1]) + "\n")  # one row fewer: another data order
+    ckpt = trained / "checkpoints" / "step-000001"
+    flags = ["--model", str(root / "model"), "--dataset", str(changed), "--global-batch", "8", "--micro-batch", "4",
+             "--max-steps", "3", "--resume", str(ckpt)]  # fmt: skip
+    refused = run_cli([*flags, "--output-dir", str(tmp_path / "a")])
+    assert refused.returncode == 2
+    assert "was trained on other data" in one_error_line(refused.stderr)
+    assert not (tmp_path / "a").exists()
+    allowed = ok(run_cli([*flags, "--output-dir", str(tmp_path / "b"), "--allow-data-change"]))
+    assert "data changed     --allow-data-change" in allowed.stdout
+    assert "the same training as an uninterrupted run" not in allowed.stdout
+
+
+# --- one run per folder ------------------------------------------------------------------------
+
+
+def test_a_second_run_is_refused_and_a_stale_lock_is_taken_over(root, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "accum_cli", *args(root, out, 400, "--checkpoint-every", "1")],
+        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_steps(out, 2, first)
+        second = run_cli(args(root, out, 400, "--resume"))
+        assert second.returncode == 2
+        line = one_error_line(second.stderr)
+        assert f"is in use by another accum-train run (pid {first.pid} on " in line
+        assert first.poll() is None, "the first run goes on"
+    finally:
+        first.kill()  # SIGKILL: no chance to release the lock
+        first.communicate()
+    assert (out / ".accum-train.lock").exists()
+    third = ok(run_cli(args(root, out, len(read_metrics(out)) + 2, "--resume")))
+    assert f"took over the stale lock of a run that is gone (pid {first.pid} on" in third.stdout
+    assert not (out / ".accum-train.lock").exists(), "released at the end"
+
+
+# --- launchers ---------------------------------------------------------------------------------
+
+
+def start_wrapper(root: Path, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()),
+           *args(root, out, 400, "--micro-batch", "2", "--checkpoint-every", "3")]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.distributed
+def test_workers_stop_when_their_launcher_is_killed(root, tmp_path):
+    out = tmp_path / "run"
+    wrapper = start_wrapper(root, out)
+    wait_for_steps(out, 2, wrapper)
+    workers = worker_pids(str(out))
+    assert sorted(workers) == [0, 1]
+    wrapper.kill()  # kill -9: the elastic agent cannot stop them
+    wrapper.communicate()
+    killed = time.monotonic()
+    while worker_pids(str(out)) and time.monotonic() - killed < 30:
+        time.sleep(0.2)
+    gone_after = time.monotonic() - killed
+    assert not worker_pids(str(out)), "workers outlived their launcher"
+    print(f"workers gone {gone_after:.1f} s after kill -9 of the launcher")
+    steps = len(read_metrics(out))
+    assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file(), "they saved before leaving"
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_wrapper_exits_75_with_a_checkpoint(root, tmp_path):
+    out = tmp_path / "run"
+    wrapper = start_wrapper(root, out)
+    wait_for_steps(out, 2, wrapper)
+    wrapper.send_signal(signal.SIGTERM)
+    _, stderr = wrapper.communicate(timeout=120)
+    assert wrapper.returncode == 75, stderr
+    steps = len(read_metrics(out))
+    assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file()
+
+
+@pytest.mark.distributed
+def test_a_lost_rank_is_one_line_naming_it(root, tmp_path):
+    out = tmp_path / "run"
+    wrapper = start_wrapper(root, out)
+    wait_for_steps(out, 4, wrapper)
+    os.kill(worker_pids(str(out))[1], signal.SIGKILL)
+    _, stderr = wrapper.communicate(timeout=120)
+    assert wrapper.returncode == 128 + signal.SIGKILL, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("accum-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert "worker rank 1 was killed by SIGKILL" in errors[0]
+    from accum_cli.checkpoint import latest
+
+    assert f"the last checkpoint {latest(out)} is intact: rerun with --resume" in errors[0]
+
+
+# --- a full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2.5 MB filesystem: room for one checkpoint of the tiny model, not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.decode().strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_costs_nothing_saved(root, small_disk):
+    out = small_disk / "run"
+    result = run_cli(args(root, out, 4, "--checkpoint-every", "1", "--keep-checkpoints", "1"))
+    assert result.returncode == 74, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert "step-000002 could not be written: the disk is full (about" in line
+    assert "MB needed" in line and "the previous checkpoint step-000001 is intact" in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"], "no temporary folder left"
+    from accum_cli.checkpoint import read_meta
+
+    read_meta(out / "checkpoints" / "step-000001")  # complete and verified
+
+
+def test_leftovers_of_an_interrupted_save_are_tidied_at_the_next_start(root, trained, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    ours = out / "checkpoints" / ".tmp-step-000003"
+    shutil.copytree(out / "checkpoints" / "step-000002", ours)
+    torn = out / "checkpoints" / "step-000004"
+    shutil.copytree(out / "checkpoints" / "step-000002", torn)
+    (torn / "meta.json").unlink()
+    theirs = out / "checkpoints" / "step-000009"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("not ours")
+    result = ok(run_cli(args(root, out, 3, "--resume")))
+    assert "removed what an interrupted save left: .tmp-step-000003, step-000004" in result.stdout
+    assert not ours.exists() and not torn.exists()
+    assert (theirs / "keep.txt").read_text() == "not ours"
