@@ -33,7 +33,7 @@ def config_option(name: str) -> Any:
     metavar = "[" + "|".join(meta["choices"]) + "]" if meta["choices"] else None
     help_text = f"{meta['help']}  [default: {config.default_text(name)}]"
     info = typer.Option(*decls, help=help_text, metavar=metavar, show_default=False, rich_help_panel=meta["panel"])
-    return Annotated[Optional[kind], info]  # noqa: UP045 (Typer reads Optional at run time)
+    return Annotated[Optional[kind], info]  # Optional, not `kind | None`: built at run time for Typer
 
 
 def config_flags(command: Callable[..., Any]) -> Callable[..., Any]:
