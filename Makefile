@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench clean
+.PHONY: setup run test test-fast lint format bench mutants clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ format: setup
 
 bench: setup
 	$(BIN)/python bench/overhead.py
+
+# Hand-written mutants, each against the tests that should catch it (bench/MUTANTS.md). Slow; not CI.
+mutants: setup
+	$(BIN)/python bench/mutants.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -25,6 +25,8 @@ LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 NONFINITE_ACTIONS = ("abort", "skip")
 EXPORT_DTYPES = ("auto", "fp32", "bf16", "fp16")
+MOE_AUX_LOSSES = ("exact", "microbatch")  # moe.py
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # --resume's words (a command flag, not a config field: it says how this invocation treats the
 # output dir, and a saved config must reproduce the run from scratch).
 RESUME_LATEST = "latest"  # `--resume` alone: the newest checkpoint, which must exist
@@ -82,7 +84,14 @@ class TrainConfig:
                                      MODEL_DATA, ge=0, lt=1)  # fmt: skip
     eval_every: int | None = option(None, "Evaluate every N optimizer steps (and at the end).", MODEL_DATA,
                                     none_means="at the end", ge=1)  # fmt: skip
+    num_proc: int | None = option(None, "Worker processes that tokenise a big corpus.", MODEL_DATA,
+                                  none_means="the CPU cores this process may use", ge=1)  # fmt: skip
     trust_remote_code: bool = option(False, "Run code shipped with the model or dataset.", MODEL_DATA)
+    attn_implementation: str | None = option(
+        None, "Attention kernel, checked against the model class and device before any work.", MODEL_DATA,
+        none_means="sdpa where the model class supports it, else its own default (eager)",
+        choices=ATTENTION_IMPLEMENTATIONS,
+    )  # fmt: skip
     seq_len: int | None = option(None, "Tokens per sequence.", MODEL_DATA,
                                  none_means="128 on the embedded corpus, else min(2048, model maximum)",
                                  ge=2)  # fmt: skip
@@ -112,6 +121,11 @@ class TrainConfig:
     grad_clip: float = option(1.0, "Max global gradient L2 norm; 0 disables clipping.", OPTIMISATION, ge=0)
     seed: int = option(0, "Seed of the data order and of the weights of a model built from its config.",
                        OPTIMISATION, ge=0, le=SEED_MAX)  # fmt: skip
+    moe_aux_loss: str = option(
+        "exact", "Mixture-of-experts router balancing loss (when the model config asks for it): exact (the step's "
+        "expert choices counted first in one extra forward without gradient) or microbatch (each microbatch's own, "
+        "weighted by its token share: approximate under accumulation).", OPTIMISATION, choices=MOE_AUX_LOSSES,
+    )  # fmt: skip
     on_nonfinite: str = option("abort", "A NaN/inf loss or grad norm: abort (exit 3) or skip the step.",
                                OPTIMISATION, choices=NONFINITE_ACTIONS)  # fmt: skip
     # Checkpoints

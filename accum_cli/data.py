@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from accum_cli.prepare import IGNORE_INDEX
+from accum_cli.store import IGNORE_INDEX, Prepared
 
 
 class SampleOrder:
@@ -38,6 +38,7 @@ class Microbatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    empty: bool = False  # a placeholder that holds no sample (see empty_microbatch)
 
     @property
     def loss_tokens(self) -> int:
@@ -46,41 +47,42 @@ class Microbatch:
 
     @property
     def tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        """Unpadded tokens; none in a placeholder."""
+        return 0 if self.empty else int(self.attention_mask.sum())
 
     def to(self, device: torch.device) -> Microbatch:
         return Microbatch(
-            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels))
+            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels)),
+            empty=self.empty,
         )
 
 
-def collate(rows: dict[str, list], pad_id: int) -> Microbatch:
-    """Right-pad rows to the longest; padding is masked out of attention and of the loss."""
-    ids = rows["input_ids"]
-    labels = rows.get("labels") or ids
-    width = max(len(r) for r in ids)
-    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    target = torch.full((len(ids), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, (row, row_labels) in enumerate(zip(ids, labels, strict=True)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        target[i, : len(row)] = torch.tensor(row_labels)
-        mask[i, : len(row)] = 1
+def collate(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Microbatch:
+    """Right-pad (input_ids, labels) rows to the longest; padding is masked out of attention and of the loss."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    target = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.from_numpy(ids)
+        target[i, : len(ids)] = torch.from_numpy(labels)
+        mask[i, : len(ids)] = 1
     return Microbatch(input_ids, mask, target)
 
 
 def empty_microbatch(pad_id: int) -> Microbatch:
     """One pad token that counts nowhere: an empty microbatch still joins FSDP's collectives."""
     one = torch.full((1, 1), pad_id, dtype=torch.long)
-    return Microbatch(one, torch.ones_like(one), torch.full_like(one, IGNORE_INDEX))
+    return Microbatch(one, torch.ones_like(one), torch.full_like(one, IGNORE_INDEX), empty=True)
 
 
 class MicrobatchReader:
-    """Reads microbatches from a prepared dataset: by global sample index in the seeded order,
-    or by row index when there is no order (evaluation)."""
+    """Reads microbatches from prepared data: by global sample index in the seeded order, or by
+    row index when there is no order (evaluation). Each read slices the memory-mapped files for
+    just these samples: O(micro batch), whatever the corpus size."""
 
-    def __init__(self, dataset, order: SampleOrder | None, pad_id: int):
-        self.dataset = dataset.select_columns(["input_ids", "labels"])
+    def __init__(self, dataset: Prepared, order: SampleOrder | None, pad_id: int):
+        self.dataset = dataset
         self.order = order
         self.pad_id = pad_id
 
@@ -88,4 +90,4 @@ class MicrobatchReader:
         if len(indices) == 0:
             return empty_microbatch(self.pad_id)
         rows = self.order.rows(indices) if self.order is not None else list(indices)
-        return collate(self.dataset[rows], self.pad_id)
+        return collate(self.dataset.rows(rows), self.pad_id)

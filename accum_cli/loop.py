@@ -3,6 +3,7 @@
 Each microbatch backpropagates sum(token losses) / (loss tokens of the whole global batch),
 the count all-reduced before the first backward, and FSDP sums (never averages) across
 ranks, so the accumulated gradient is the gradient of the one-big-batch token mean.
+A mixture of experts that asks for its router's balancing loss gets it added, exactly too (moe.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from accum_cli import policy
+from accum_cli import moe, policy
 from accum_cli.data import IGNORE_INDEX, Microbatch
 from accum_cli.runtime import all_reduce_sum
 
@@ -33,6 +34,7 @@ class StepResult:
     grad_norm: float  # total L2 norm before clipping
     lr: float  # the learning rate this step used
     skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
+    aux_loss: float | None = None  # MoE router balancing loss (unweighted), when the model asks for it
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -76,6 +78,19 @@ def where_nonfinite(mb_losses: list[torch.Tensor], device: torch.device) -> str:
     return "the loss is finite in every microbatch but the gradient norm is not"
 
 
+def balancing_term(out, config, attention_mask: torch.Tensor, step_choices) -> torch.Tensor:
+    """This microbatch's exact share of the step's router balancing loss (moe.py). Our formula is
+    checked against the model's own aux loss on the same microbatch, so a model that balances
+    differently is refused rather than trained on another loss."""
+    choices, prob_sums, rows = moe.router_stats(config, out.router_logits, attention_mask)
+    own = moe.balancing_loss(choices, prob_sums, rows)
+    if not torch.allclose(own.detach(), out.aux_loss.detach().float(), rtol=1e-3, atol=1e-6):
+        raise moe.unsupported(config)
+    if step_choices is None:  # the step is this one microbatch
+        return own
+    return moe.balancing_loss(step_choices[0], prob_sums, step_choices[1])
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -86,21 +101,41 @@ def train_step(
     device: torch.device,
     step: int = 0,
     on_nonfinite: str = "abort",
+    moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
     loss_tokens, tokens = global_counts(microbatches, device)
     if loss_tokens == 0:
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
+    config = getattr(model, "config", None)
+    aux_coef = moe.aux_loss_coef(config)
+    # Exact balancing loss: the step's expert choices first, unless the step is one microbatch in all.
+    one_microbatch = len(microbatches) == 1 and dist.get_world_size() == 1
+    exact_aux = aux_coef and moe_aux_loss == moe.EXACT
+    step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
     mb_losses = []  # kept on the device: no host sync per microbatch
+    mb_aux = [torch.zeros((), device=device)]
     for index, mb in enumerate(microbatches):
         set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
+        share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
         mb = mb.to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        mb_loss_sum = token_loss_sum(logits, mb.labels)
-        (mb_loss_sum / loss_tokens).backward()
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        mb_loss_sum = token_loss_sum(out.logits, mb.labels)
+        loss = mb_loss_sum / loss_tokens
+        if aux_coef and not mb.empty:
+            aux = (
+                balancing_term(out, config, mb.attention_mask, step_choices)
+                if exact_aux
+                else out.aux_loss.float() * share
+            )
+            loss = loss + aux_coef * aux
+            mb_aux.append(aux.detach())
+        loss.backward()
         mb_losses.append(mb_loss_sum.detach())
 
-    loss = all_reduce_sum(torch.stack(mb_losses).sum()).item() / loss_tokens
+    ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
+    aux_loss = aux if aux_coef else None
+    loss = ce_sum / loss_tokens + aux_coef * aux
     max_norm = grad_clip if grad_clip > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
     grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -109,10 +144,10 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         if on_nonfinite == "skip":
             scheduler.step()  # the schedule follows the step count, applied or not
-            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True)
+            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True, aux_loss=aux_loss)
         raise NonFiniteError(f"step {step}: {where_nonfinite(mb_losses, device)}; loss {loss}, grad norm {grad_norm}")
 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, loss_tokens, tokens, grad_norm, lr)
+    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss)

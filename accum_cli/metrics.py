@@ -106,6 +106,8 @@ class Reporter:
         }
         if self.mfu_denominator:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.mfu_denominator
+        if result.aux_loss is not None:
+            record["aux_loss"] = result.aux_loss
         if result.skipped:
             record["skipped"] = True
         record.update(extra or {})

@@ -5,17 +5,23 @@ Sharding: `fully_shard` on every decoder layer (the classes the model names in
 LM head. Tied input/output embeddings are one parameter of the root group, so they are
 sharded, gathered and reduced once (sharding the embedding and the head separately would
 split one parameter across two groups).
+
+Attention: the best implementation the model class supports on this device (sdpa where it
+can, else the class's own default, eager), or the one the user asked for, checked against the
+class before any work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +31,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from accum_cli import outdir
+from accum_cli import moe, outdir
+from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
 
@@ -101,6 +108,77 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
+def _causal_lm_class(config):
+    """The class AutoModelForCausalLM instantiates for this config; None for remote code."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+# Flash attention packages, by implementation: transformers imports them at load time.
+_FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def _attention_problem(cls, name: str, device_type: str) -> str | None:
+    """Why `cls` cannot use attention `name` on this device, or None when it can."""
+    if name == "eager":
+        return None
+    if name == "sdpa":
+        return None if cls._supports_sdpa else f"{cls.__name__} does not support it"
+    if name == "flex_attention":
+        return None if cls._supports_flex_attn else f"{cls.__name__} does not support it"
+    if not cls._supports_flash_attn:
+        return f"{cls.__name__} does not support it"
+    if device_type != "cuda":
+        return "flash attention needs a CUDA device"
+    if importlib.util.find_spec(_FLASH_PACKAGES[name]) is None:
+        return f"the {_FLASH_PACKAGES[name]} package is not installed"
+    return None
+
+
+def set_attention(config, requested: str | None, device_type: str) -> None:
+    """Check the attention implementation against the model class and record it on the config
+    (transformers' own field for it), so that every load of this config uses it.
+
+    Not asked for: sdpa where the class supports it (PyTorch's fused attention, which on CUDA
+    dispatches to flash kernels itself), else eager, the default of classes without sdpa.
+    Flash attention packages are used only on request: they change numerics and need bf16."""
+    cls = _causal_lm_class(config)
+    if cls is None:  # the model's own code: transformers applies its default or checks the request
+        config._attn_implementation = requested
+        return
+    if requested is None:
+        config._attn_implementation = "sdpa" if _attention_problem(cls, "sdpa", device_type) is None else "eager"
+        return
+    problem = _attention_problem(cls, requested, device_type)
+    if problem is not None:
+        usable = [n for n in ATTENTION_IMPLEMENTATIONS if _attention_problem(cls, n, device_type) is None]
+        raise UserError(f"--attn-implementation {requested}: {problem}; use one of: {', '.join(usable)}")
+    config._attn_implementation = requested
+
+
+def describe_attention(config, requested: str | None) -> str:
+    """The header's attention line: what runs and why."""
+    name = config._attn_implementation
+    cls = _causal_lm_class(config)
+    if requested is not None:
+        return f"{requested} (requested)"
+    if cls is None:
+        return f"{name or 'the model code default'} (its own code decides)"
+    if name == "sdpa":
+        return "sdpa (PyTorch fused attention, the best this model class supports here)"
+    return f"{name} ({cls.__name__} has no sdpa; its default)"
+
+
+def describe_model(config, requested_attention: str | None, moe_aux_loss: str) -> list[str]:
+    """Header lines: the attention that runs and, for a mixture of experts, its balancing loss."""
+    lines = [f"attention         {describe_attention(config, requested_attention)}"]
+    router = moe.describe(config, moe_aux_loss)
+    if router is not None:
+        lines.append(f"router aux loss   {router}")
+    return lines
+
+
 def parameter_shapes(config, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes without allocating weights (meta device); tied weights once."""
     from transformers import AutoModelForCausalLM
@@ -149,7 +227,7 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
             config=config,
             dtype=torch.float32,
             trust_remote_code=trust_remote_code,
-            attn_implementation="sdpa",
+            attn_implementation=config._attn_implementation,
         )
     else:
         # Every rank draws the same initial weights from the same seed.
@@ -157,7 +235,10 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
         # A copy: from_config(dtype=fp32) records fp32 in the config it is given, and the run's
         # config must keep the dtype the model declares (the default dtype of its export).
         model = AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            copy.deepcopy(config),
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=config._attn_implementation,
         )
     model.train()
     return model
@@ -180,6 +261,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
+def _copy_view_outputs(module: nn.Module, args, output):
+    """Forward hook: a layer output that is a view (OPT returns `(residual + h).view(shape)`)
+    becomes a tensor of its own. FSDP2 registers its pre-backward hook (which all-gathers the
+    layer's parameters for backward) on the outputs, and an in-place op on a view would drop
+    that hook silently; FSDP2 warns about it on every step. A copy of the activations of one
+    layer removes the hazard for every consumer and layout, and the warning with it."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._base is not None else output
+    if isinstance(output, tuple):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t for t in output)
+    return output
+
+
 def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     """fully_shard each decoder layer, then the root; gradients are summed, never averaged.
 
@@ -193,8 +287,13 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     if settings.offload_params:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
+        layer.register_forward_hook(_copy_view_outputs)  # before fully_shard: runs before FSDP's own hook
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    # The root's outputs (logits, router loss) are read only by our loss code, which never changes
+    # them in place, so a view among them (Doge's) cannot drop FSDP2's pre-backward hook.
+    root_view_warning = f"FSDP2-wrapped module ({type(model).__name__}) returned a view tensor"
+    warnings.filterwarnings("ignore", message=re.escape(root_view_warning))
     # The loss is already divided by the global loss-token count, so FSDP must sum across
     # ranks instead of averaging. The divide factor is per module (not recursive). Gloo has
     # no PREMUL_SUM, so there the factor 1.0 also needs forced SUM reductions (DESIGN.md).
@@ -205,6 +304,20 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
             if force_sum:
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def describe_sharding(model: nn.Module) -> str:
+    """The header's line on what was wrapped: layer class, FSDP units, the root's parameters."""
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+    classes = sorted({next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__ for _, m in units})
+    prefixes = tuple(f"{name}." for name, _ in units)
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not name.startswith(prefixes):
+            names_by_param.setdefault(id(param), []).append(name)
+    root = [" = ".join(names) + (" (tied)" if len(names) > 1 else "") for names in names_by_param.values()]
+    layers = f"{len(units)} x {', '.join(classes)}" if units else "no decoder-layer class found (root only)"
+    return f"{len(units) + 1} FSDP units: {layers} + root holding {', '.join(root)}"
 
 
 def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:

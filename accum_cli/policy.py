@@ -57,18 +57,44 @@ def extra_bytes(policy: str, size: ModelSize) -> int:
     return 0
 
 
-def collectives_per_step(policy: str, accum_steps: int, replicas: int = 1) -> str:
+@dataclass(frozen=True, slots=True)
+class Collectives:
+    """The collectives one decoder layer's FSDP group issues in one optimizer step, per rank.
+
+    The one source of truth for these numbers: `--plan` prints them and the tests count them
+    in real runs. Layers reshard after forward, so every microbatch gathers a layer twice
+    (forward and backward) unless its parameters are kept unsharded between microbatches."""
+
+    all_gathers: int
+    reduce_scatters: int  # inside a replica when replicas > 1
+    all_reduces: int  # of gradients across replicas (HSDP); 0 with one replica
+
+
+def collectives(policy: str, accum_steps: int, replicas: int = 1) -> Collectives:
     a = accum_steps
     across = replicas > 1
     if policy == EVERY:
-        return f"{2 * a} all-gathers, {a} reduce-scatters" + (f", {a} all-reduces across replicas" if across else "")
+        return Collectives(2 * a, a, a if across else 0)
     if policy == LAST:
-        return f"{2 * a} all-gathers, 1 reduce-scatter" + (", 1 all-reduce across replicas" if across else "")
+        return Collectives(2 * a, 1, 1 if across else 0)
     if policy == LAST_KEEP_PARAMS:
-        return f"{a + 1} all-gathers, 1 reduce-scatter" + (", 1 all-reduce across replicas" if across else "")
+        return Collectives(a + 1, 1, 1 if across else 0)
     if policy == HSDP_DEFER:
-        return f"{2 * a} all-gathers, {a} reduce-scatters in a replica, 1 all-reduce across replicas"
+        return Collectives(2 * a, a, 1)
     raise ValueError(policy)
+
+
+def collectives_per_step(policy: str, accum_steps: int, replicas: int = 1) -> str:
+    c = collectives(policy, accum_steps, replicas)
+    parts = [_count(c.all_gathers, "all-gather"), _count(c.reduce_scatters, "reduce-scatter")]
+    if replicas > 1:
+        parts[-1] += " in a replica"
+        parts.append(_count(c.all_reduces, "all-reduce") + " across replicas")
+    return ", ".join(parts)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def shard_size(plan: Plan, replicas: int) -> int:
@@ -131,7 +157,7 @@ def describe(plan: Plan, size: ModelSize, device_memory_bytes: int, replicas: in
         extra = extra_bytes(policy, size)
         lines.append(
             f"  {policy:<17} +{_gib(extra):>10} held between microbatches; "
-            f"{collectives_per_step(policy, plan.accum_steps, replicas)} per step"
+            f"{collectives_per_step(policy, plan.accum_steps, replicas)} per decoder layer per step"
         )
     return lines
 

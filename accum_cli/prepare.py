@@ -9,31 +9,47 @@ Formats, told apart by their columns (first match wins):
   unless train_on_prompt;
 - text: the text column, documents joined by EOS.
 
-Packing (documents concatenated and cut into seq_len blocks) is the default for text;
-one document per row, truncated to seq_len and padded per microbatch, for the others.
+Packing (the whole corpus as one stream of documents, cut into seq_len blocks) is the default
+for text; one document per row, truncated to seq_len and padded per microbatch, for the others.
 
-The result is saved under the datasets cache keyed by the raw data's fingerprint, the
-tokenizer and every option, so a second run, or a second rank, reads it instead of
-tokenising again. Rank 0 prepares first; the others then find it in the cache.
+Preparation streams: worker processes tokenise chunks of rows in order, and the main process
+appends each chunk to the compact files of store.py, so memory stays flat whatever the corpus
+size. The result is published atomically under the cache, keyed by the raw data's fingerprint,
+the tokenizer and every option (`cache_key`: the identity of the prepared data), so a second
+run, or a second rank, reads it instead of tokenising again. Rank 0 prepares first; on a node
+that does not see its cache, that node's first local rank prepares while its siblings wait.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import json
+import multiprocessing
 import os
 import shutil
+import socket
+import sys
 import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from accum_cli.errors import UserError
+from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
 
-IGNORE_INDEX = -100
-PREP_VERSION = 1
-BATCH_ROWS = 1000
-PARALLEL_ABOVE_ROWS = 20_000  # below this, worker processes cost more than they save
+PREP_VERSION = 2
+BATCH_ROWS = 1000  # rows per chunk at most
+BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
+PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
+WORKER_CHUNKS = 64  # chunks a worker process tokenises before a fresh one takes over
+TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
+PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
+
+__all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "make_rows", "prepare"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +58,7 @@ class Options:
     text_column: str = "text"
     packing: bool | None = None  # None: pack text, keep rows for the other formats
     train_on_prompt: bool = False
+    vocab_size: int | None = None  # the model's: ids must lie below it; picks the storage type
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +70,8 @@ class Stats:
     loss_tokens: int
     packed: bool
     truncated: int  # documents cut at seq_len
+    longest: int = 0  # tokens in the longest sample
+    stored_bytes: int = 0  # the prepared files, all together
 
     def describe(self, global_batch: int) -> list[str]:
         steps = self.samples // global_batch
@@ -62,6 +81,10 @@ class Stats:
             f"tokens            {self.tokens:,} ({self.loss_tokens:,} count in the loss)",
             f"samples           {self.samples:,}; one epoch = {steps:,} optimizer steps of {global_batch}",
         ]
+        if self.stored_bytes:
+            lines.append(
+                f"stored            {self.stored_bytes / max(self.tokens, 1):.2f} bytes per token, memory-mapped"
+            )
         if self.truncated:
             lines.append(f"truncated         {self.truncated:,} documents longer than --seq-len")
         return lines
@@ -91,26 +114,81 @@ def check(raw, tokenizer, options: Options) -> str:
         raise UserError("the model folder has no tokenizer to tokenise text; add one or pass a dataset with input_ids")
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise UserError("the dataset has a messages column but the tokenizer has no chat template; add one")
+    _check_column_types(raw.features, fmt, options.text_column)
     return fmt
 
 
+def _check_column_types(features, fmt: str, text_column: str) -> None:
+    """Column types, from the schema alone: a text column of numbers, token ids that are strings."""
+    text_columns = {"text": [text_column], "prompt-completion": ["prompt", "completion"]}.get(fmt, [])
+    for name in text_columns:
+        dtype = getattr(features[name], "dtype", None)
+        if dtype not in ("string", "large_string"):
+            raise UserError(
+                f"column {name!r} holds {_type_name(features[name])}, not text; pass --text-column NAME of a text column"
+            )
+    if fmt == "tokens":
+        for name in ("input_ids", "labels", "attention_mask"):
+            if name in features:
+                inner = getattr(features[name], "feature", None)
+                # "null": every list is empty (refused later, as data with nothing to learn)
+                if not str(getattr(inner, "dtype", "")).startswith(("int", "uint", "bool", "null")):
+                    raise UserError(
+                        f"column {name!r} holds {_type_name(features[name])}; it must hold lists of integer token ids"
+                    )
+
+
+def _type_name(feature) -> str:
+    inner = getattr(feature, "feature", None)
+    if inner is not None:
+        return f"lists of {getattr(inner, 'dtype', type(inner).__name__)}"
+    return str(getattr(feature, "dtype", type(feature).__name__))
+
+
 # --- per-format row builders: a batch of raw rows -> lists of input_ids and labels ----------
+# Labels None: every position counts, the labels are the ids.
+
+
+class BadRow(Exception):
+    """A row that cannot be trained on: its index in the batch and the problem."""
+
+    def __init__(self, index: int, problem: str):
+        super().__init__(problem)
+        self.index, self.problem = index, problem
+
+
+def _texts(batch, column: str) -> list[str]:
+    values = batch[column]
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise BadRow(i, f"column {column!r} is {'null' if value is None else type(value).__name__}, not text")
+    return values
 
 
 def _tokens(batch, tokenizer, options: Options):
     ids = batch["input_ids"]
-    labels = batch.get("labels", ids)
-    if "attention_mask" in batch:  # positions the data itself masks out are padding: drop them
-        masks = batch["attention_mask"]
+    labels = batch.get("labels")
+    masks = batch.get("attention_mask")
+    for i, row in enumerate(ids):
+        if row is None:
+            raise BadRow(i, "input_ids is null")
+        for name, other in (("labels", labels), ("attention_mask", masks)):
+            if other is not None and (other[i] is None or len(other[i]) != len(row)):
+                size = "null" if other[i] is None else f"{len(other[i])} long"
+                raise BadRow(i, f"{name} is {size} but input_ids holds {len(row)} tokens")
+    if masks is not None:  # positions the data itself masks out are padding: drop them
         ids = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(ids, masks, strict=True)]
-        labels = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(labels, masks, strict=True)]
-    return [list(row) for row in ids], [list(row) for row in labels]
+        if labels is not None:
+            labels = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(labels, masks, strict=True)]
+    return ids, labels
 
 
 def _text(batch, tokenizer, options: Options):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids = [row + eos for row in tokenizer(batch[options.text_column], add_special_tokens=False)["input_ids"]]
-    return ids, [list(row) for row in ids]
+    ids = tokenizer(_texts(batch, options.text_column), add_special_tokens=False)["input_ids"]
+    for row in ids:  # in place: a copy per document costs as much as converting it
+        row.extend(eos)
+    return ids, None
 
 
 def _template(tokenizer, messages, **kwargs) -> list[int]:
@@ -145,8 +223,8 @@ def _chat(batch, tokenizer, options: Options):
 
 def _prompt_completion(batch, tokenizer, options: Options):
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    prompts = tokenizer(batch["prompt"], add_special_tokens=False)["input_ids"]
-    completions = tokenizer(batch["completion"], add_special_tokens=False)["input_ids"]
+    prompts = tokenizer(_texts(batch, "prompt"), add_special_tokens=False)["input_ids"]
+    completions = tokenizer(_texts(batch, "completion"), add_special_tokens=False)["input_ids"]
     ids, labels = [], []
     for p, c in zip(prompts, completions, strict=True):
         ids.append(p + c + eos)
@@ -157,33 +235,133 @@ def _prompt_completion(batch, tokenizer, options: Options):
 BUILDERS = {"tokens": _tokens, "text": _text, "chat": _chat, "prompt-completion": _prompt_completion}
 
 
-def _pack(ids: list[list[int]], labels: list[list[int]], seq_len: int):
-    stream = [t for row in ids for t in row]
-    label_stream = [t for row in labels for t in row]
-    n = len(stream) // seq_len
-    return (
-        [stream[i * seq_len : (i + 1) * seq_len] for i in range(n)],
-        [label_stream[i * seq_len : (i + 1) * seq_len] for i in range(n)],
-    )
-
-
-def _loss_count(labels: list[int]) -> int:
-    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
-
-
-def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool):
-    """One batched map step: raw rows -> sequences with their token and loss-token counts."""
-    ids, labels = BUILDERS[fmt](batch, tokenizer, options)
+def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_row: int = 0):
+    """Raw rows -> token ids and labels per row, truncated to seq_len unless they will be packed."""
+    try:
+        ids, labels = BUILDERS[fmt](batch, tokenizer, options)
+    except BadRow as exc:
+        raise UserError(
+            f"row {first_row + exc.index} of the dataset (counting from 0): {exc.problem}; fix or remove that row"
+        ) from None
+    labels = ids if labels is None else labels
     truncated = [False] * len(ids)
-    if packed:
-        ids, labels = _pack(ids, labels, options.seq_len)
-        truncated = [False] * len(ids)
-    elif fmt != "tokens" or options.packing is False:
+    if not packed and (fmt != "tokens" or options.packing is False):
         truncated = [len(row) > options.seq_len for row in ids]
         ids = [row[: options.seq_len] for row in ids]
         labels = [row[: options.seq_len] for row in labels]
-    return {"input_ids": ids, "labels": labels, "n_tokens": [len(r) for r in ids],
-            "n_loss": [_loss_count(r) for r in labels], "truncated": truncated}  # fmt: skip
+    return {"input_ids": ids, "labels": labels, "truncated": truncated}
+
+
+# --- tokenising chunks of rows into the store's arrays -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    raw: object  # the datasets.Dataset, reduced to the columns the format reads
+    tokenizer: object
+    options: Options
+    fmt: str
+    packed: bool
+    with_mask: bool  # some positions may not count: keep a loss mask
+
+
+def has_mask(fmt: str, columns: list[str], options: Options) -> bool:
+    if fmt == "tokens":
+        return "labels" in columns
+    return fmt in ("chat", "prompt-completion") and not options.train_on_prompt
+
+
+def tokenise(job: Job, start: int, stop: int) -> Chunk:
+    """Rows [start, stop) -> one chunk of the store's arrays, its ids checked against the vocabulary."""
+    built = make_rows(job.raw[start:stop], job.tokenizer, job.options, job.fmt, job.packed, first_row=start)
+    rows = [i for i, row in enumerate(built["input_ids"]) if len(row)]  # an empty row trains nothing
+    ids_rows = [built["input_ids"][i] for i in rows]
+    lengths = np.fromiter((len(r) for r in ids_rows), np.int64, len(rows))
+    total = int(lengths.sum())
+    ids = _flat(ids_rows)
+    vocab = job.options.vocab_size
+    _check_range(ids, lengths, rows, start, "input_ids", vocab)
+    mask = labels = None
+    if job.with_mask:
+        all_labels = _flat([built["labels"][i] for i in rows])
+        counts = all_labels != IGNORE_INDEX
+        mask = counts.astype(np.uint8)
+        if np.any(all_labels[counts] != ids[counts]):  # labels of their own (pre-tokenised data)
+            _check_range(np.where(counts, all_labels, 0), lengths, rows, start, "labels", vocab)
+            labels = all_labels.astype(np.int32)
+        firsts = np.cumsum(lengths) - lengths
+        loss_tokens = int(mask.sum()) - int(mask[firsts].sum())
+    else:
+        loss_tokens = total - len(rows)
+    return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, stop - start, sum(built["truncated"]),
+                 loss_tokens)  # fmt: skip
+
+
+def _flat(rows: list[list[int]]) -> np.ndarray:
+    """Rows of ids back to back as int64 (numpy's list conversion beats a flat iterator)."""
+    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows]) if rows else np.zeros(0, np.int64)
+
+
+def _check_range(values: np.ndarray, lengths: np.ndarray, rows: list[int], start: int, name: str,
+                 vocab: int | None) -> None:  # fmt: skip
+    limit = vocab if vocab is not None else 1 << 32
+    if not len(values) or (values.min() >= 0 and values.max() < limit):
+        return
+    position = int(np.argmax((values < 0) | (values >= limit)))
+    row = rows[int(np.searchsorted(np.cumsum(lengths), position, side="right"))]
+    where = f"the model's vocabulary of {vocab:,}" if vocab is not None else "32-bit ids"
+    raise UserError(
+        f"row {start + row} of the dataset (counting from 0): {name} holds {int(values[position])}, outside "
+        f"{where}; fix the data or pass the --model it was tokenised for"
+    )
+
+
+_JOB: Job | None = None  # a worker process's job, set once when the pool starts
+
+
+def _init_worker(job: Job) -> None:
+    global _JOB
+    _JOB = job
+
+
+def _work(start: int, stop: int) -> Chunk:
+    return tokenise(_JOB, start, stop)
+
+
+def chunks(job: Job, num_proc: int) -> Iterator[Chunk]:
+    """Every row's chunk, in order. With several processes, at most 2 x num_proc chunks are in
+    flight, so memory stays bounded whatever the corpus size."""
+    n, size = len(job.raw), job.raw.data.nbytes
+    rows = max(1, min(BATCH_ROWS, n * BATCH_BYTES // max(size, 1)))
+    bounds = [(start, min(start + rows, n)) for start in range(0, n, rows)]
+    if num_proc <= 1 or size < PARALLEL_ABOVE_BYTES:
+        for start, stop in bounds:
+            yield tokenise(job, start, stop)
+        return
+    # A fast (Rust) tokenizer used before the fork would otherwise warn and run single-threaded anyway.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # fork shares the memory-mapped rows with the workers; elsewhere the job travels by pickle.
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    # Workers are replaced now and then: the memory-mapped rows they read count in their resident
+    # memory, which would otherwise grow with the corpus.
+    with context.Pool(num_proc, _init_worker, (job,), maxtasksperchild=WORKER_CHUNKS) as pool:
+        pending: deque = deque()
+        for start, stop in bounds:
+            pending.append(pool.apply_async(_work, (start, stop)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def default_num_proc() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# --- the cache -------------------------------------------------------------------------------
 
 
 def cache_root() -> Path:
@@ -193,85 +371,146 @@ def cache_root() -> Path:
 
 
 def cache_key(raw, tokenizer, options: Options, fmt: str) -> str:
+    """The identity of the prepared data: the raw data's fingerprint, the tokenizer and every option."""
     from datasets.fingerprint import Hasher
 
     return Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, asdict(options), tokenizer if fmt != "tokens" else None])
 
 
-def cached(key: str):
-    """The prepared dataset and its stats, if a complete one is in the cache."""
-    import datasets
-
+def cached(key: str) -> tuple[Prepared, Stats] | None:
+    """The prepared data and its stats, if a complete copy is in the cache."""
     folder = cache_root() / key
-    if not (folder / "stats.json").is_file():
-        return None
-    return datasets.load_from_disk(str(folder / "data")), Stats(**json.loads((folder / "stats.json").read_text()))
-
-
-def build(raw, tokenizer, options: Options, fmt: str, key: str, show_progress: bool):
-    """Tokenise (with worker processes on big data), save atomically, return (dataset, stats)."""
-    import datasets
-
-    packed = options.packing if options.packing is not None else fmt == "text"
-    num_proc = min(os.cpu_count() or 1, 8) if len(raw) > PARALLEL_ABOVE_ROWS else None
-    if show_progress and len(raw) > PARALLEL_ABOVE_ROWS:
-        datasets.enable_progress_bars()
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
-        prepared = raw.map(
-            make_rows,
-            fn_kwargs={"tokenizer": tokenizer, "options": options, "fmt": fmt, "packed": packed},
-            batched=True,
-            batch_size=BATCH_ROWS,
-            remove_columns=raw.column_names,
-            num_proc=num_proc,
-            cache_file_name=str(work / "map.arrow"),
-            desc="tokenising",
-        )
-        if len(prepared) == 0:
-            raise UserError(
-                f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data"
-            )
-        counts = {name: np.asarray(prepared[name]) for name in ("n_tokens", "n_loss", "truncated")}
-        stats = Stats(
-            format=fmt,
-            documents=len(raw),
-            samples=len(prepared),
-            tokens=int(counts["n_tokens"].sum()),
-            loss_tokens=int(counts["n_loss"].sum()),
-            packed=packed,
-            truncated=int(counts["truncated"].sum()),
-        )
-        if stats.samples == 0:
-            raise UserError(
-                f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data"
-            )
-        prepared.select_columns(["input_ids", "labels", "n_tokens", "n_loss"]).save_to_disk(str(work / "data"))
-        (work / "stats.json").write_text(json.dumps(asdict(stats)))
-        (work / "map.arrow").unlink(missing_ok=True)
-        final = root / key
-        if not final.exists():
-            work.rename(final)
+        meta = read_meta(folder)
+        if meta is None:
+            return None
+        return Prepared.load(folder, meta, key), Stats(**meta["stats"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(
+            f"the prepared data in {folder} is damaged ({exc}); delete that folder to prepare it again"
+        ) from None
+
+
+def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool):
+    """Tokenise in a private folder, publish it atomically, return (prepared data, stats)."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(root)
+        work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=root))
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the data cache {root} ({exc.strerror}); set ACCUM_TRAIN_CACHE to a writable folder"
+        ) from None
+    try:
+        os.chmod(work, 0o777 & ~_umask())  # mkdtemp's 0700 would hide a shared cache from colleagues
+        packed = options.packing if options.packing is not None else fmt == "text"
+        needed = {"tokens": ["input_ids", "labels", "attention_mask"], "chat": ["messages"],
+                  "prompt-completion": ["prompt", "completion"], "text": [options.text_column]}[fmt]  # fmt: skip
+        columns = [c for c in needed if c in raw.column_names]
+        job = Job(raw.select_columns(columns), tokenizer, options, fmt, packed, has_mask(fmt, columns, options))
+        writer = Writer(work, token_dtype(options.vocab_size), packed, options.seq_len, job.with_mask)
+        with writer, _progress(len(raw), show_progress) as bar:
+            for chunk in chunks(job, num_proc):
+                writer.add(chunk)
+                bar.update(chunk.documents)
+                bar.set_postfix_str(f"{writer.n_tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s", False)
+        meta = writer.finish()
+        stats = Stats(fmt, writer.documents, meta["samples"], meta["tokens"], writer.loss_tokens, packed,
+                      writer.truncated, writer.longest, sum(meta["files"].values()))  # fmt: skip
+        check_trainable(stats, options)
+        (work / "meta.json").write_text(json.dumps(meta | {"key": key, "stats": asdict(stats)}))
+        publish(work, root / key)
     finally:
-        datasets.disable_progress_bars()
         shutil.rmtree(work, ignore_errors=True)
     return cached(key)
 
 
-def prepare(raw, tokenizer, options: Options, is_main: bool, barrier) -> tuple[object, Stats, bool]:
-    """Collective: rank 0 tokenises, then the others read its result. Returns (dataset, stats,
-    whether this rank tokenised)."""
+def check_trainable(stats: Stats, options: Options) -> None:
+    if stats.samples == 0 and stats.packed:
+        raise UserError(f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data")
+    if stats.loss_tokens == 0:
+        raise UserError(
+            "no position of the dataset counts in the loss (every label is -100, or the rows are empty or one "
+            "token long); give labels that count, or --train-on-prompt for chat and prompt-completion data"
+        )
+
+
+def remove_abandoned(root: Path) -> None:
+    """Temporary folders of preparations killed on this host (their process is gone): ours to delete.
+    Those of live processes, or of other hosts sharing the cache, are left alone."""
+    host = socket.gethostname()
+    for folder in root.glob(f"{TMP_PREFIX}{glob.escape(host)}-*-*"):
+        pid = folder.name[len(TMP_PREFIX) + len(host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def publish(work: Path, final: Path) -> bool:
+    """Rename a finished folder into place, atomically. Another process publishing the same key
+    at the same time may win: then its copy (the same data) is the cache and ours is dropped.
+    Returns whether ours was published."""
+    try:
+        os.rename(work, final)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+            raise UserError(f"cannot publish the prepared data to {final} ({exc.strerror})") from None
+        if read_meta(final) is None:
+            raise UserError(
+                f"the data cache holds an incomplete {final}; delete that folder to prepare it again"
+            ) from None
+        return False
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _progress(rows: int, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=rows, unit=" rows", desc="tokenising", delay=PROGRESS_AFTER_S, disable=not show,
+                file=sys.stderr, dynamic_ncols=True)  # fmt: skip
+
+
+def prepare(raw, tokenizer, options: Options, is_main: bool, is_node_leader: bool, barrier: Callable[[], None],
+            num_proc: int | None = None) -> tuple[Prepared, Stats, bool]:  # fmt: skip
+    """Collective: rank 0 tokenises; then on every node that does not see rank 0's cache, the
+    first local rank tokenises while its siblings wait. Returns (data, stats, whether this rank
+    tokenised)."""
+    if num_proc is not None and num_proc < 1:  # checked alike on every rank, so all fail together
+        raise UserError(f"--num-proc must be >= 1, got {num_proc}")
     fmt = check(raw, tokenizer, options)
     key = cache_key(raw, tokenizer, options, fmt)
-    if not is_main:
-        barrier()
-    found = cached(key)
-    tokenised = found is None
-    if tokenised:  # rank 0 on a fresh cache, or a node that does not share rank 0's disk
-        found = build(raw, tokenizer, options, fmt, key, show_progress=is_main)
+    num_proc = num_proc or default_num_proc()
+    found, tokenised = None, False
     if is_main:
-        barrier()
-    dataset, stats = found
-    return dataset, stats, tokenised
+        found = cached(key)
+        if found is None:
+            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=True), True
+    barrier()  # rank 0's copy is published
+    if not is_main:
+        found = cached(key)
+        if found is None and is_node_leader:  # this node has a disk of its own
+            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+    barrier()  # every node leader's copy is published
+    if found is None:  # a sibling of a node leader: the leader's copy, or (another cache still) our own
+        found = cached(key)
+        if found is None:
+            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+    data, stats = found
+    check_trainable(stats, options)
+    return data, stats, tokenised

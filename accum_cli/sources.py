@@ -62,6 +62,8 @@ def load_raw(
     check_exists(dataset, flag)
     if is_local(dataset):
         files = local_files(dataset, flag)
+        if all(f.stat().st_size == 0 for f in files):  # the parsers fail on these with no useful message
+            raise UserError(f"{flag} {dataset} is empty; pass a dataset with at least one row")
         builder = FILE_BUILDERS[files[0].suffix]
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:

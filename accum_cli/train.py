@@ -119,6 +119,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     modeling.check_weights(source)
+    modeling.set_attention(model_config, cfg.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
@@ -137,7 +138,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
     raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset") if cfg.eval_dataset else None
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
-    options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt)
+    vocab_size = getattr(model_config, "vocab_size", None)
+    options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
     for rows in (raw, raw_eval):
         if rows is not None:
             prepare.check(rows, tokenizer, options)
@@ -156,11 +158,12 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     def barrier() -> None:
         dist.barrier(group=prep_group)
 
-    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, barrier)
+    leader = rt.local_rank == 0
+    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
     eval_dataset = None
     if raw_eval is not None:
-        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, barrier)
+        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if len(dataset) < plan.global_batch:
@@ -169,7 +172,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             f"global batch of {plan.global_batch}; lower --global-batch or --seq-len, or add data"
         )
     if stats.format == "tokens":
-        longest = int(np.asarray(dataset["n_tokens"]).max())
+        longest = stats.longest
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
             raise UserError(
@@ -228,10 +231,7 @@ def split_for_eval(dataset, ratio: float, seed: int):
     n = len(dataset)
     held = min(max(1, round(n * ratio)), n - 1)
     order = np.random.default_rng([seed, 0x5EED]).permutation(n)
-    return (
-        dataset.select(np.sort(order[held:]), keep_in_memory=True),
-        dataset.select(np.sort(order[:held]), keep_in_memory=True),
-    )
+    return dataset.select(np.sort(order[held:])), dataset.select(np.sort(order[:held]))
 
 
 class Preempted(Exception):
@@ -294,6 +294,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
     lines = [
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
+        *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         *s.stats.describe(s.plan.global_batch),
         f"tokenisation      {tokenised}",
         f"training          {s.total_steps} optimizer steps"
@@ -321,6 +322,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
     model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+    if rt.is_main:
+        print(f"  {'sharded':<18}{modeling.describe_sharding(model)}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
@@ -379,7 +382,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             ]
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
-                cfg.on_nonfinite,
+                cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
             samples += plan.global_batch
             done = step + 1

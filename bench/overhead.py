@@ -165,10 +165,9 @@ class AccumTrain:
     name = "accum-train"
 
     def __init__(self, args: argparse.Namespace, mesh, rank: int, sync: str, ids: torch.Tensor):
-        import datasets
         import numpy as np
 
-        from accum_cli import data, optim, sharding
+        from accum_cli import data, optim, sharding, store
         from accum_cli import model as modeling
         from accum_cli.loop import train_step
         from accum_cli.plan import Plan
@@ -185,11 +184,9 @@ class AccumTrain:
         # The settings the product derives from this config on CPU (fp32, reshard after forward).
         self.model = modeling.shard(build_model(args), mesh, sharding.resolve(self.cfg, "cpu"))
         self.optimizer, self.scheduler = optim.build(self.model, self.cfg, total_steps=10**6)
-        # A real Arrow-backed dataset shaped like a prepared one (input_ids and labels columns),
+        # Prepared data laid out as packed text is (one flat token array, seq_len blocks),
         # read the way the product reads its data every step.
-        datasets.disable_progress_bars()
-        rows = ids.tolist()
-        dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+        dataset = store.Prepared(ids.numpy().reshape(-1).astype(store.token_dtype(VOCAB)), ids.shape[1])
         self.reader = data.MicrobatchReader(dataset, InOrder(len(dataset), seed=0), pad_id=0)
         self.train_step = train_step
         self.step_index = 0

@@ -148,3 +148,30 @@ def tree_digest(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+PROBE_IDS = torch.arange(3, 3 + 2 * 24).reshape(2, 24)  # token ids every tiny model here knows
+
+
+@torch.no_grad()
+def probe_logits(model) -> torch.Tensor:
+    return model(input_ids=PROBE_IDS).logits.float()
+
+
+def assert_complete_hf_model(folder: Path, params: dict[str, torch.Tensor], logits: torch.Tensor, tol: float) -> None:
+    """`folder` (save_pretrained format) holds every tensor of the model's state dict, each tied
+    one once under the name the model itself declares, with these values; and reloaded with
+    from_pretrained it gives these logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    stored = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        stored |= load_file(shard)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)  # {tied name: the name it is stored as}
+    assert set(model.state_dict()) == set(params), "the reloaded model has other tensors than the trained one"
+    assert set(stored) == set(params) - set(tied), f"missing {sorted(set(params) - set(tied) - set(stored))}"
+    for name, expected in params.items():
+        assert rel_err(stored[tied.get(name, name)], expected) < tol, name
+    assert rel_err(probe_logits(model), logits) < tol, "the reloaded model's logits"

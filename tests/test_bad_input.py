@@ -35,6 +35,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "unknown-key.yaml").write_text("global_batch: 8\nmicro_bach: 2\n")
     (root / "wrong-type.yaml").write_text("global_batch: lots\n")
     (root / "bad.yaml").write_text("global_batch: [\n")
+    bad_data = {  # one bad row among good ones: the problem is found while tokenising
+        "null-text.jsonl": [{"text": "a good row of text"}, {"text": None}],
+        "number-text.jsonl": [{"text": 5}, {"text": 6}],
+        "id-outside-vocab.jsonl": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 384, 7]}],
+        "negative-id.jsonl": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, -3, 7]}],
+        "string-ids.jsonl": [{"input_ids": ["a", "b"]}, {"input_ids": ["c"]}],
+        "mixed-ids.jsonl": [{"input_ids": [5, "b"]}],
+        "short-labels.jsonl": [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [5]}],
+        "long-mask.jsonl": [{"input_ids": [5, 6], "attention_mask": [1, 1, 1]}],
+        "no-loss.jsonl": [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}] * 8,
+        "empty-rows.jsonl": [{"input_ids": []}] * 8,
+    }
+    for name, rows in bad_data.items():
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "latin1.yaml").write_bytes("dataset: donn\u00e9es.jsonl\n".encode("latin-1"))
     (root / "big-seed.yaml").write_text(f"seed: {2**64}\n")
     # A billion-item alias bomb in a few hundred bytes: refused fast, its value quoted short.
@@ -68,6 +82,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     shutil.copytree(good, f["torn-shard"])
     shard = next(f["torn-shard"].glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:64])
+
+    # Broken model folders: weights cut in half, a negative size, an absurd depth.
+    for name, edit in (
+        ("half-weights", None),
+        ("neg-vocab", {"vocab_size": -5}),
+        ("deep", {"num_hidden_layers": 100_000}),
+    ):
+        folder = save_tiny_model(root / name)
+        if edit is None:
+            weights = folder / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        else:
+            config = json.loads((folder / "config.json").read_text()) | edit
+            (folder / "config.json").write_text(json.dumps(config))
     return f
 
 
@@ -87,10 +115,10 @@ CASES = [
     (["--model", "{a-file}"], "is a file; pass the folder written by save_pretrained"),
     (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl does not exist"),
     (["--dataset", "{content.jsonl}"], "has no column 'text' (columns: content); pass --text-column NAME"),
-    (["--dataset", "{empty.jsonl}"], "empty"),
-    (["--dataset", "{small.txt}"], "lower --seq-len or add data"),
+    (["--dataset", "{empty.jsonl}"], "is empty; pass a dataset with at least one row"),
+    (["--dataset", "{small.txt}"], "the dataset holds fewer than --seq-len 1024 tokens; lower --seq-len"),
     (["--dataset", "{tokens.jsonl}", "--model", "{tiny}", "--global-batch", "64"],
-     "the dataset holds 12 sequences"),
+     "the dataset holds 12 sequences of up to 256 tokens, fewer than one global batch of 64"),
     (["--seq-len", "5000"], "--seq-len 5000 exceeds the model's maximum of 1024 positions"),
     (["--output-dir", "{a-file}/out"], "is a file; pick another folder"),
     (["--resume", "/no/such/checkpoint"], "--resume /no/such/checkpoint does not exist"),
@@ -107,14 +135,34 @@ CASES = [
     (["--recipe", "/no/recipe.yaml"], "recipe /no/recipe.yaml does not exist"),
     (["--world-size", "4"], "--world-size only applies with --plan"),
     (["--nproc", "2", "--plan"], "--plan does not start processes"),
-    (["--lr", "0"], "--lr must be a positive number"),
-    (["--lr", "-1e-3"], "--lr must be a positive number"),
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+    (["--lr", "-1e-3"], "--lr must be a positive number, got -0.001"),
     (["--sync", "sometimes"], "--sync 'sometimes' is unknown; use one of: auto, every, last"),
     (["--sync", "hsdp-defer"], "--sync hsdp-defer needs --replicas 2 or more"),
     (["--precision", "bf16"], "--precision bf16 needs a CUDA device"),
     (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore' is unknown"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     (["--bogus-flag"], "No such option: --bogus-flag"),
+    (["--output-dir", ""], "--output-dir is empty; pass a folder"),
+    (["--resume", "{tokens.jsonl}"], "is a file; pass a checkpoint folder (OUTPUT_DIR/checkpoints/step-N)"),
+    (["--model", "{half-weights}"], "weights file model.safetensors is corrupt or truncated"),
+    (["--model", "{neg-vocab}"], "its config has vocab_size -5; it must be a positive integer"),
+    (["--model", "{deep}"], "asks for 100,000 layers, more than the 2,048 accum-train builds"),
+    (["--model", "{tiny}", "--dataset", "{null-text.jsonl}"], "row 1 of the dataset (counting from 0): column 'text' is null"),
+    (["--model", "{tiny}", "--dataset", "{number-text.jsonl}"], "column 'text' holds int64, not text"),
+    (["--model", "{tiny}", "--dataset", "{id-outside-vocab.jsonl}"],
+     "row 1 of the dataset (counting from 0): input_ids holds 384, outside the model's vocabulary of 384"),
+    (["--model", "{tiny}", "--dataset", "{negative-id.jsonl}"], "input_ids holds -3, outside the model's vocabulary"),
+    (["--model", "{tiny}", "--dataset", "{string-ids.jsonl}"],
+     "column 'input_ids' holds lists of string; it must hold lists of integer token ids"),
+    (["--model", "{tiny}", "--dataset", "{mixed-ids.jsonl}"], "it must hold lists of integer token ids"),
+    (["--model", "{tiny}", "--dataset", "{short-labels.jsonl}"],
+     "row 1 of the dataset (counting from 0): labels is 1 long but input_ids holds 3 tokens"),
+    (["--model", "{tiny}", "--dataset", "{long-mask.jsonl}"], "attention_mask is 3 long but input_ids holds 2 tokens"),
+    (["--model", "{tiny}", "--dataset", "{no-loss.jsonl}", "--global-batch", "4"],
+     "no position of the dataset counts in the loss"),
+    (["--model", "{tiny}", "--dataset", "{empty-rows.jsonl}", "--global-batch", "4"],
+     "no position of the dataset counts in the loss"),
     (["--recipe", "{latin1.yaml}"], "is not UTF-8 text (line 1); save it as UTF-8"),
     (["--seed", str(2**64)], f"--seed must lie in [0, {2**64 - 1}], got {2**64}"),
     (["--recipe", "{big-seed.yaml}"], f"--seed must lie in [0, {2**64 - 1}]"),
@@ -147,6 +195,18 @@ def test_bad_input(files, tmp_path, flags, message):
     assert len(lines[0]) < 1000, "a value quoted in a message is bounded"
     assert "Traceback" not in result.output
     assert not out.exists(), "nothing is written on bad input"
+
+
+@pytest.mark.parametrize("name", ["incomplete", "corrupt-meta", "torn-shard", "a-file"])
+def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name):
+    from accum_cli.cli import export_app
+
+    target = tmp_path / "hf"
+    result = CliRunner().invoke(export_app, [str(files[name] if name in files else files["root"] / name), str(target)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("accum-train: error: checkpoint "), result.output
+    assert not target.exists()
 
 
 def test_the_table_covers_at_least_25_cases():

@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from accum_cli import options
 from accum_cli.config import TrainConfig, as_recipe, build_config, load_recipe
@@ -65,9 +66,11 @@ def test_every_recipe_loads_and_starts_with_its_command(recipe):
     lines = [line for line in recipe.read_text().splitlines() if not line.startswith("#!")]
     command = lines[0]
     assert command.startswith("# "), "the first comment is the command that runs the recipe"
-    assert command.split()[1] in ("accum-train", "accelerate", "sbatch"), command
+    assert command.split()[1] in ("accum-train", "accelerate", "sbatch", "kubectl"), command
     assert str(recipe.relative_to(RECIPES.parent)) in command, "the command names this very file"
-    if recipe.suffix == ".sbatch":
+    if "kubernetes" in recipe.parts:
+        assert yaml.safe_load(recipe.read_text())["kind"] == "PyTorchJob"  # checked in depth below
+    elif recipe.suffix == ".sbatch":
         subprocess.run(["bash", "-n", str(recipe)], check=True)
     elif "accelerate" in recipe.parts:
         from accelerate.commands.config.config_args import load_config_from_file
@@ -183,3 +186,29 @@ def test_the_slurm_recipe_requeues_itself_after_a_preemption_and_only_then(tmp_p
     calls = log.read_text().splitlines()
     assert calls[0].startswith("accum-train --recipe r.yaml --resume auto --nproc 8 --nnodes 1 --node-rank 0")
     assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
+
+
+def test_the_kubernetes_recipe_has_what_a_cluster_needs():
+    job = yaml.safe_load((RECIPES / "kubernetes" / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] >= 1
+    for role in specs.values():
+        assert role["restartPolicy"] == "OnFailure", "a preempted pod (exit 75) is restarted"
+        pod = role["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["image"]
+        argv = container["command"] + container["args"]
+        assert argv[0] == "torchrun" and argv[argv.index("-m") + 1] == "accum_cli"
+        flags = argv[argv.index("accum_cli") + 1 :]
+        assert flags[flags.index("--resume") + 1] == "auto", "one command line for the first start and restarts"
+        recipe = flags[flags.index("--recipe") + 1]
+        assert build_config(str(RECIPES.parent / recipe), {}).global_batch >= 1
+        output_dir = flags[flags.index("--output-dir") + 1]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mount = next(path for path in mounts if output_dir.startswith(path + "/"))
+        assert "persistentVolumeClaim" in volumes[mounts[mount]], "checkpoints need storage every pod sees"
+        assert {e["name"] for e in container["env"]} >= {"OMP_NUM_THREADS"}
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(argv[1].split("=")[1])
+        assert pod["terminationGracePeriodSeconds"] >= 60, "time to save a checkpoint on SIGTERM"

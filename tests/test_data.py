@@ -4,11 +4,14 @@ accumulation, tokenisation once, and a world-size-independent order."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, read_metrics, rel_err, run_cli, save_tiny_model
+from helpers import CHAT_TEMPLATE, REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model
 from typer.testing import CliRunner
 
 from accum_cli import prepare
@@ -295,3 +298,269 @@ def test_the_order_depends_only_on_seed_and_global_batch(g, m):
     assert SampleOrder(23, 9).rows(range(23)) != SampleOrder(23, 10).rows(range(23))
     assert sorted(order.rows(range(23, 46))) == list(range(23)), "each epoch is a permutation"
     assert order.rows(range(23)) != order.rows(range(23, 46)), "a fresh shuffle each epoch"
+
+
+# --- compact storage, streaming preparation, one tokeniser per node ---------------------------
+
+
+def prepare_here(raw, tokenizer, options: prepare.Options, num_proc: int = 1):
+    """One process's preparation, the collective's barriers reduced to nothing."""
+    return prepare.prepare(raw, tokenizer, options, True, True, lambda: None, num_proc)
+
+
+def cache_entries(cache: Path) -> list[Path]:
+    return sorted(cache.iterdir()) if cache.exists() else []
+
+
+def test_packed_text_is_stored_in_two_bytes_per_token_and_reads_back(model, tmp_path):
+    """The blocks read back are the corpus's token stream (documents + EOS) cut at seq_len,
+    computed here from the tokenizer alone; the cache holds uint16 ids and nothing else."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [sentence(i, 5 + i % 23) for i in range(300)]
+    data, stats, tokenised = prepare_here(datasets.Dataset.from_dict({"text": texts}), tokenizer,
+                                          prepare.Options(48, vocab_size=384))  # fmt: skip
+    stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [1]]
+    blocks = [stream[i * 48 : (i + 1) * 48] for i in range(len(stream) // 48)]
+    assert tokenised and len(data) == stats.samples == len(blocks)
+    for i in (0, 1, len(blocks) // 2, len(blocks) - 1):
+        ids, labels = data.sample(i)
+        assert ids.tolist() == blocks[i] and labels.tolist() == blocks[i]
+    assert stats.loss_tokens == len(blocks) * 47
+    (folder,) = cache_entries(Path(prepare.cache_root()))
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"], "no labels, no leftovers"
+    assert (folder / "tokens.bin").stat().st_size == 2 * stats.tokens
+    assert stats.stored_bytes / stats.tokens <= 2.2
+
+
+def test_a_large_vocabulary_takes_four_bytes_and_ids_round_trip(model, tmp_path):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 128_256, int(n)).tolist() for n in rng.integers(3, 60, 200)]
+    raw = datasets.Dataset.from_dict({"input_ids": rows})
+    data, stats, _ = prepare_here(raw, None, prepare.Options(64, packing=True, vocab_size=128_256))
+    stream = [t for row in rows for t in row]
+    assert [data.sample(i)[0].tolist() for i in range(len(data))] == [
+        stream[i * 64 : (i + 1) * 64] for i in range(len(stream) // 64)
+    ]
+    assert max(stream) > 65_535 and stats.stored_bytes / stats.tokens <= 4.5
+
+
+@pytest.mark.parametrize("fmt", ["chat", "prompt-completion", "tokens"])
+def test_rows_with_masked_labels_round_trip_to_the_same_labels(model, tmp_path, fmt):
+    """Chat, prompt-completion and pre-tokenised rows keep a one-byte loss mask, not int64 labels,
+    and read back exactly the labels make_rows builds (the exactness tests' reference)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if fmt == "chat":
+        columns = {"messages": [r["messages"] for r in chat_rows()]}
+    elif fmt == "prompt-completion":
+        columns = {"prompt": [sentence(i, 3 + i % 5) for i in range(40)],
+                   "completion": [sentence(i + 1, 1 + i % 9) for i in range(40)]}  # fmt: skip
+    else:
+        g = np.random.default_rng(1)
+        ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 40)]
+        # some labels of their own (neither the id nor -100), as a user's pre-tokenised data may have
+        columns = {"input_ids": ids, "labels": [[-100] + [(t + 1) % 384 for t in row[1:]] for row in ids]}
+    options = prepare.Options(CHAT_SEQ, vocab_size=384)
+    data, stats, _ = prepare_here(datasets.Dataset.from_dict(columns), tokenizer, options)
+    expected = prepare.make_rows(columns, tokenizer, options, fmt, packed=False)
+    assert len(data) == len(expected["input_ids"])
+    for i in range(len(data)):
+        ids, labels = data.sample(i)
+        assert ids.tolist() == expected["input_ids"][i] and labels.tolist() == expected["labels"][i], i
+    (folder,) = cache_entries(Path(prepare.cache_root()))
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == (["labels.bin"] if fmt == "tokens" else []) + ["mask.bin", "meta.json", "offsets.bin",
+                                                                      "tokens.bin"]  # fmt: skip
+    if fmt != "tokens":
+        assert stats.stored_bytes / stats.tokens < 3.5  # 2 (ids) + 1 (mask) + offsets per row
+
+
+def test_worker_processes_give_the_same_files_as_one_process(model, tmp_path, monkeypatch):
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    monkeypatch.setattr(prepare, "PARALLEL_ABOVE_BYTES", 0)
+    monkeypatch.setattr(prepare, "BATCH_ROWS", 7)
+    raw = datasets.Dataset.from_dict({"prompt": [sentence(i, 2 + i % 6) for i in range(100)],
+                                      "completion": [sentence(i, 1 + i % 4) for i in range(100)]})  # fmt: skip
+    built = {}
+    for procs in (1, 2):
+        monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / f"cache{procs}"))
+        data, stats, _ = prepare_here(raw, tokenizer, prepare.Options(32, vocab_size=384), num_proc=procs)
+        (folder,) = cache_entries(tmp_path / f"cache{procs}")
+        built[procs] = ({p.name: p.read_bytes() for p in folder.glob("*.bin")}, stats)
+    assert built[1] == built[2]
+
+
+def test_a_concurrent_publisher_of_the_same_key_wins_or_loses_cleanly(model, tmp_path):
+    """Four processes prepare the same data into one cache at the same moment: all succeed with
+    the same data, one copy is published, and no temporary folder is left behind."""
+    import multiprocessing
+
+    cache = tmp_path / "cache"
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(4), context.Queue()
+    workers = [context.Process(target=_prepare_in_a_process, args=(str(model), str(cache), start, results))
+               for _ in range(4)]  # fmt: skip
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert all(isinstance(o, tuple) for o in outcomes), outcomes
+    assert len({digest for digest, _ in outcomes}) == 1
+    assert sum(tokenised for _, tokenised in outcomes) >= 1
+    (published,) = cache_entries(cache)
+    assert not published.name.startswith(".") and (published / "meta.json").is_file()
+
+
+def _prepare_in_a_process(model_dir: str, cache: str, start, results) -> None:
+    import hashlib
+    import os
+
+    import datasets
+    from transformers import AutoTokenizer
+
+    os.environ["ACCUM_TRAIN_CACHE"] = cache
+    raw = datasets.Dataset.from_dict({"text": [sentence(i, 50) for i in range(400)]})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start.wait()
+    try:
+        data, _, tokenised = prepare.prepare(raw, tokenizer, prepare.Options(64, vocab_size=384), True, True,
+                                             lambda: None, 1)  # fmt: skip
+        results.put((hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised))
+    except Exception as exc:  # reported to the test, which fails on it
+        results.put(repr(exc))
+
+
+def test_publishing_onto_a_published_copy_keeps_the_first(tmp_path):
+    first, second, final = tmp_path / "a", tmp_path / "b", tmp_path / "key"
+    for folder, tag in ((first, "first"), (second, "second")):
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"tag": tag}))
+    assert prepare.publish(first, final) is True
+    assert prepare.publish(second, final) is False
+    assert json.loads((final / "meta.json").read_text())["tag"] == "first"
+
+
+@pytest.mark.distributed
+def test_a_node_without_the_shared_cache_tokenises_once(model, tmp_path):
+    """Two "nodes" of two ranks each (two wrapper invocations, --nnodes 2), each with a cache
+    folder of its own: rank 0 and node 1's first local rank tokenise; node 1's second rank
+    waits and reads its node's copy. Each cache ends with one complete copy and no leftovers."""
+    path = tmp_path / "corpus.jsonl"  # big enough that a second tokeniser on node 1 would overlap the first
+    path.write_text("".join(json.dumps({"text": sentence(i, 150)}) + "\n" for i in range(3000)))
+    port = str(free_port())
+    caches = [tmp_path / "cache-node0", tmp_path / "cache-node1"]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "accum_cli",
+                "--nproc",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--prepare-only",
+                "--model",
+                str(model),
+                "--dataset",
+                path,
+                "--seq-len",
+                "32",
+                "--global-batch",
+                "4",
+                "--output-dir",
+                str(tmp_path / "out"),
+            ],
+            cwd=REPO,
+            env=env(ACCUM_TRAIN_CACHE=str(caches[rank])),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stdout + stderr
+    assert "tokenisation      done once (on 2 of 4 ranks) and cached" in outputs[0][0]
+    for cache in caches:
+        assert len(cache_entries(cache)) == 1 and not cache_entries(cache)[0].name.startswith(".")
+        assert (cache_entries(cache)[0] / "meta.json").is_file()
+
+
+def test_a_read_only_cache_is_refused_in_one_line(model, tmp_path, monkeypatch):
+    """The cache cannot be written: a read-only folder, or (as root ignores permissions) a path
+    below a file. Either way: one line, exit 2, nothing in --output-dir."""
+    import os
+
+    if os.geteuid() == 0:
+        (tmp_path / "a-file").write_text("x")
+        cache = tmp_path / "a-file" / "cache"
+    else:
+        cache = tmp_path / "read-only"
+        cache.mkdir(mode=0o555)
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(cache))
+    path, _ = write_sources(tmp_path)["jsonl"]
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--model", str(model), "--dataset", path, "--seq-len", "32",
+                                      "--global-batch", "2", "--output-dir", str(out)])  # fmt: skip
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("accum-train: error: cannot write the data cache") and "ACCUM_TRAIN_CACHE" in lines[0]
+    assert not out.exists()
+
+
+def test_packed_rows_with_labels_keep_their_mask(model):
+    """Pre-tokenised rows packed into blocks: each block's loss positions are those whose label
+    is not -100, after the first position, counted here by hand."""
+    import datasets
+
+    g = np.random.default_rng(3)
+    ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 60)]
+    labels = [[-100 if g.random() < 0.4 else t for t in row] for row in ids]
+    raw = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    data, stats, _ = prepare_here(raw, None, prepare.Options(16, packing=True, vocab_size=384))
+    stream = [t for row in labels for t in row]
+    blocks = [stream[i * 16 : (i + 1) * 16] for i in range(len(stream) // 16)]
+    assert [data.sample(i)[1].tolist() for i in range(len(data))] == blocks
+    assert stats.loss_tokens == sum(1 for block in blocks for t in block[1:] if t != -100)
+
+
+def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp_path):
+    """A preparation killed mid-way (kill -9) leaves its temporary folder; the next one on this
+    host removes it, and leaves alone those of live processes."""
+    import os
+    import socket
+
+    import datasets
+
+    cache = Path(prepare.cache_root())
+    cache.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = cache / f".tmp-{socket.gethostname()}-{dead.pid}-x1"
+    in_progress = cache / f".tmp-{socket.gethostname()}-{os.getpid()}-x2"
+    for folder in (abandoned, in_progress):
+        folder.mkdir()
+        (folder / "tokens.bin").write_bytes(b"\0" * 64)
+    raw = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4})
+    prepare_here(raw, None, prepare.Options(8, vocab_size=384))
+    assert not abandoned.exists() and in_progress.exists()
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1

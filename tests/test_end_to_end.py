@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from helpers import read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 
@@ -78,9 +80,7 @@ def test_a_previous_run_is_not_clobbered(tiny, tmp_path):
     again = run_cli(args)
     assert again.returncode == 2 and "holds a previous run; pass --resume to continue it, --overwrite" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
-    stale = out / "checkpoints" / "step-000099"
-    stale.mkdir()
-    (stale / "meta.json").write_text("{}")
+    shutil.copytree(out / "checkpoints" / "step-000001", out / "checkpoints" / "step-000099")  # an old run's
     assert run_cli([*args, "--overwrite"]).returncode == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"], (
         "--resume must not find the old run"

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
-from safetensors.torch import load_file
+from helpers import (
+    assert_complete_hf_model,
+    probe_logits,
+    read_metrics,
+    rel_err,
+    run_cli,
+    save_tiny_model,
+    write_ragged_tokens,
+)
 
 from accum_cli.data import SampleOrder
 
@@ -81,6 +88,7 @@ def reference(model_dir: Path, rows: list[dict]) -> dict:
         "loss": losses,
         "grad_norm": norms,
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "logits": probe_logits(model),
     }
 
 
@@ -96,12 +104,7 @@ def assert_same_training(out: Path, ref: dict) -> None:
     for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"], strict=True):
         assert rel_err(m["loss"], loss) < TOL, (m["step"], m["loss"], loss)
         assert rel_err(m["grad_norm"], norm) < TOL, (m["step"], m["grad_norm"], norm)
-    trained = load_file(out / "final" / "model.safetensors")
-    for name, expected in ref["params"].items():
-        if name not in trained:  # a tied head is stored once
-            continue
-        assert rel_err(trained[name], expected) < TOL, name
-    assert set(trained) <= set(ref["params"])
+    assert_complete_hf_model(out / "final", ref["params"], ref["logits"], TOL)
 
 
 CASES = [

@@ -1,0 +1,220 @@
+"""Prepared data on disk: compact, written in one streaming pass, memory-mapped for training.
+
+A prepared folder holds flat binary files and a meta.json that describes them:
+
+- `tokens.bin`: every sample's token ids back to back, in the smallest unsigned type that holds
+  the vocabulary (uint16 below 65,536 ids, else uint32);
+- `mask.bin` (uint8, one per token): 1 where the position counts in the loss. Absent when every
+  position counts (plain text, --train-on-prompt), where the labels are the ids themselves;
+- `labels.bin` (int32): only for pre-tokenised rows whose labels are neither their ids nor -100;
+- `offsets.bin` (int64, samples + 1): sample boundaries of unpacked rows. Packed data needs none:
+  sample i is tokens [i * seq_len, (i + 1) * seq_len).
+
+Packed text thus costs 2 bytes per token with a vocabulary under 65,536 and 4 above it.
+A sample is read by slicing the memory maps, so a step costs O(global batch) whatever the corpus
+size, and the page cache, not the process, holds the corpus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+IGNORE_INDEX = -100
+FORMAT_VERSION = 1
+SCAN_TOKENS = 1 << 24  # tokens per slice when a finished file is scanned (bounded memory)
+
+
+def token_dtype(vocab_size: int | None) -> np.dtype:
+    """The smallest unsigned type holding every id below vocab_size (unknown: 4 bytes)."""
+    return np.dtype(np.uint16 if vocab_size is not None and vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Some consecutive rows, tokenised: what one worker hands back."""
+
+    ids: np.ndarray  # every row's ids back to back, in the store's dtype
+    lengths: np.ndarray  # int64 tokens per row (rows with no tokens already dropped)
+    mask: np.ndarray | None  # uint8 per token, 1 = counts; None: every position counts
+    labels: np.ndarray | None  # int32 per token, only when some label is neither the id nor -100
+    documents: int
+    truncated: int
+    loss_tokens: int  # in unpacked rows (each row's first position predicts nothing)
+
+
+class Writer:
+    """Appends chunks to the files of one prepared folder (a context manager that closes them)."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, packed: bool, seq_len: int, with_mask: bool):
+        self.folder, self.dtype, self.packed, self.seq_len = folder, dtype, packed, seq_len
+        self._files = contextlib.ExitStack()
+        self.tokens = self._open("tokens.bin")
+        self.mask = self._open("mask.bin") if with_mask else None
+        self.labels = None
+        self.offsets = None if packed else self._open("offsets.bin")
+        if self.offsets is not None:
+            self.offsets.write(np.zeros(1, np.int64).tobytes())
+        self.n_tokens = 0
+        self.rows = 0
+        self.documents = 0
+        self.truncated = 0
+        self.loss_tokens = 0
+        self.longest = 0
+
+    def _open(self, name: str):
+        return self._files.enter_context(open(self.folder / name, "wb"))
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.close()
+
+    def add(self, chunk: Chunk) -> None:
+        if chunk.labels is not None and self.labels is None:
+            self._start_labels()
+        self.tokens.write(chunk.ids.tobytes())
+        if self.mask is not None:
+            self.mask.write((chunk.mask if chunk.mask is not None else np.ones(len(chunk.ids), np.uint8)).tobytes())
+        if self.labels is not None:
+            labels = chunk.labels if chunk.labels is not None else _labels_of(chunk.ids, chunk.mask)
+            self.labels.write(labels.astype(np.int32).tobytes())
+        if self.offsets is not None and len(chunk.lengths):
+            self.offsets.write((self.n_tokens + np.cumsum(chunk.lengths, dtype=np.int64)).tobytes())
+        self.n_tokens += len(chunk.ids)
+        self.rows += len(chunk.lengths)
+        self.documents += chunk.documents
+        self.truncated += chunk.truncated
+        self.loss_tokens += chunk.loss_tokens
+        if len(chunk.lengths):
+            self.longest = max(self.longest, int(chunk.lengths.max()))
+
+    def _start_labels(self) -> None:
+        """The first free-form labels: write the labels of everything so far, from ids and mask."""
+        self.labels = self._open("labels.bin")
+        for f in (self.tokens, self.mask):
+            if f is not None:
+                f.flush()
+        for start in range(0, self.n_tokens, SCAN_TOKENS):
+            stop = min(start + SCAN_TOKENS, self.n_tokens)
+            ids = np.fromfile(self.folder / "tokens.bin", self.dtype, stop - start, offset=start * self.dtype.itemsize)
+            mask = np.fromfile(self.folder / "mask.bin", np.uint8, stop - start, offset=start) if self.mask else None
+            self.labels.write(_labels_of(ids, mask).astype(np.int32).tobytes())
+
+    def finish(self) -> dict:
+        """Close the files, cut a packed stream to whole blocks; return what meta.json records."""
+        self._files.close()
+        if self.packed:
+            samples = self.n_tokens // self.seq_len
+            kept = samples * self.seq_len
+            os.truncate(self.folder / "tokens.bin", kept * self.dtype.itemsize)
+            for name, size in (("mask.bin", 1), ("labels.bin", 4)):
+                if (self.folder / name).exists():
+                    os.truncate(self.folder / name, kept * size)
+            self.n_tokens, self.longest = kept, self.seq_len if samples else 0
+            self.loss_tokens = self._packed_loss_tokens(samples)
+        else:
+            samples = self.rows
+        files = {p.name: p.stat().st_size for p in sorted(self.folder.glob("*.bin"))}
+        return {"version": FORMAT_VERSION, "dtype": self.dtype.name, "packed": self.packed, "seq_len": self.seq_len,
+                "samples": samples, "tokens": self.n_tokens, "files": files}  # fmt: skip
+
+    def _packed_loss_tokens(self, samples: int) -> int:
+        """Each block's first position predicts nothing; the rest count where the mask says so."""
+        if self.mask is None:
+            return samples * (self.seq_len - 1)
+        # Read in slices, not through a memory map, whose touched pages would count in this
+        # process's resident memory and grow it with the corpus.
+        step = max(1, SCAN_TOKENS // self.seq_len)
+        total = 0
+        for first in range(0, samples, step):
+            n = min(step, samples - first)
+            mask = np.fromfile(self.folder / "mask.bin", np.uint8, n * self.seq_len, offset=first * self.seq_len)
+            total += int(mask.reshape(n, self.seq_len)[:, 1:].sum())
+        return total
+
+
+def _labels_of(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    labels = ids.astype(np.int64)
+    if mask is not None:
+        labels[mask == 0] = IGNORE_INDEX
+    return labels
+
+
+class Prepared:
+    """Samples of a prepared folder (or of in-memory arrays): ids and labels by index."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int | None, offsets: np.ndarray | None = None,
+                 mask: np.ndarray | None = None, labels: np.ndarray | None = None,
+                 index: np.ndarray | None = None, key: str = ""):  # fmt: skip
+        self.tokens, self.seq_len, self.offsets = tokens, seq_len, offsets
+        self.mask, self.labels, self.index, self.key = mask, labels, index, key
+
+    @classmethod
+    def load(cls, folder: Path, meta: dict, key: str) -> Prepared:
+        """Memory-map the files meta.json names, after checking their sizes (a torn copy is refused)."""
+        for name, size in meta["files"].items():
+            path = folder / name
+            if not path.is_file() or path.stat().st_size != size:
+                raise OSError(f"{path} is missing or has the wrong size")
+        files = meta["files"]
+
+        def mapped(name: str, dtype) -> np.ndarray | None:
+            if name not in files:
+                return None
+            if files[name] == 0:
+                return np.zeros(0, dtype)
+            return np.memmap(folder / name, dtype, "r")
+
+        return cls(
+            mapped("tokens.bin", np.dtype(meta["dtype"])),
+            meta["seq_len"] if meta["packed"] else None,
+            mapped("offsets.bin", np.int64),
+            mapped("mask.bin", np.uint8),
+            mapped("labels.bin", np.int32),
+            key=key,
+        )
+
+    def __len__(self) -> int:
+        if self.index is not None:
+            return len(self.index)
+        if self.offsets is not None:
+            return len(self.offsets) - 1
+        return len(self.tokens) // self.seq_len
+
+    def select(self, indices) -> Prepared:
+        """A view on some samples (an eval split); the files are shared, not copied."""
+        index = np.asarray(indices, dtype=np.int64)
+        if self.index is not None:
+            index = self.index[index]
+        return Prepared(self.tokens, self.seq_len, self.offsets, self.mask, self.labels, index, self.key)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, labels) of sample i, as int64 arrays."""
+        row = int(self.index[i]) if self.index is not None else i
+        if self.offsets is not None:
+            start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
+        else:
+            start, stop = row * self.seq_len, (row + 1) * self.seq_len
+        ids = self.tokens[start:stop].astype(np.int64)
+        if self.labels is not None:
+            return ids, self.labels[start:stop].astype(np.int64)
+        if self.mask is not None:
+            return ids, np.where(self.mask[start:stop] != 0, ids, IGNORE_INDEX)
+        return ids, ids
+
+    def rows(self, indices) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [self.sample(int(i)) for i in indices]
+
+
+def read_meta(folder: Path) -> dict | None:
+    path = folder / "meta.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,303 @@
+"""Hand-written mutants: does the test suite notice when a promise is broken?
+
+Each mutant replaces one snippet of one module with a plausible mistake, in a copy of the
+repository, and runs only the tests that should catch it, with -x, so a kill is fast. A
+mutant is KILLED when those tests fail (or hang past the timeout), SURVIVED when they pass
+or select nothing, and STALE when its original snippet is no longer in the code (edit the
+mutant, do not ignore it). Mutants marked `equivalent` cannot change what a user sees; each
+says why, and they are left out of the score.
+
+    make mutants                                  # all, against this checkout's tests
+    python bench/mutants.py -k "checkpoint|loop"  # the mutants whose name matches a regular expression
+    python bench/mutants.py --tests-from REF      # against the tests of git commit REF (a baseline)
+
+Why hand-written and not mutmut: mutmut would rerun a minutes-long multi-process suite per
+mutant; these name their tests, and each is a mistake someone could make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COPY_IGNORE = shutil.ignore_patterns(
+    ".venv", "runs", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info"
+)
+TIMEOUT_S = 600
+DATA_MODULES = ("accum_cli/prepare.py", "accum_cli/sources.py", "accum_cli/data.py")
+
+EQ = "tests/test_equivalence.py"
+CK = "tests/test_checkpoint.py"
+ORDER = "tests/test_checkpoint_order.py"
+SYNC = "tests/test_sync_policies.py"
+BAD = "tests/test_bad_input.py"
+PROMISES = "tests/test_promises.py"
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    path: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]  # pytest arguments selecting the tests that should kill it
+    equivalent: str = ""  # why it cannot change behaviour, if it cannot
+    timeout_s: int = TIMEOUT_S  # past it the tests have not passed: a kill
+
+
+SCHEDULE = (f"{PROMISES}::test_lr_schedule_warms_up_to_the_peak_and_decays_to_the_floor",
+            "tests/test_end_to_end.py::test_torchrun_two_ranks_trains_writes_metrics_and_a_loadable_model")  # fmt: skip
+
+
+def eq_case(case: str) -> tuple[str, ...]:
+    return (f"{EQ}::test_accumulated_sharded_training_equals_one_big_batch[{case}]",)
+
+
+MUTANTS = [
+    # --- plan: the batch arithmetic ---------------------------------------------------------
+    Mutant("plan: accumulation steps rounded down", "accum_cli/plan.py",
+           "return -(-self.max_rank_samples // self.micro_batch)", "return self.max_rank_samples // self.micro_batch",
+           ("tests/test_plan.py",)),
+    Mutant("plan: the extra sample goes to one rank too many", "accum_cli/plan.py",
+           "return base + (1 if rank < extra else 0)", "return base + (1 if rank <= extra else 0)",
+           ("tests/test_plan.py",)),
+    Mutant("plan: rank offsets ignore the extra samples", "accum_cli/plan.py",
+           "return rank * base + min(rank, extra)", "return rank * base", ("tests/test_plan.py",)),
+    Mutant("plan: divisible by m only", "accum_cli/plan.py",
+           "return self.global_batch % (self.micro_batch * self.world_size) == 0",
+           "return self.global_batch % self.micro_batch == 0", ("tests/test_plan.py",)),
+    Mutant("plan: a resumed run ignores its saved data position", "accum_cli/plan.py",
+           "step_start = step * self.global_batch if first_sample is None else first_sample",
+           "step_start = step * self.global_batch", (PROMISES, "-k", "data_position")),
+    Mutant("plan: nearest larger batch as floor + 1 unit", "accum_cli/plan.py",
+           "above = -(-self.global_batch // unit) * unit", "above = (self.global_batch // unit + 1) * unit",
+           ("tests/test_plan.py",),
+           equivalent="only called for a G that is not a multiple of the unit, where ceil = floor + 1"),
+    Mutant("train: a real run ignores --strict-batch", "accum_cli/train.py",
+           "        if cfg.strict_batch:\n            plan.require_divisible()\n        policy.shard_size",
+           "        policy.shard_size", (PROMISES, "-k", "strict_batch")),
+    # --- policy: the sync policies ----------------------------------------------------------
+    Mutant("policy: last-keep-params gathers 2A like the others", "accum_cli/policy.py",
+           "return Collectives(a + 1, 1, 1 if across else 0)", "return Collectives(2 * a, 1, 1 if across else 0)",
+           (SYNC, "-k", "collectives")),
+    Mutant("policy: hsdp-defer all-reduces every microbatch", "accum_cli/policy.py",
+           "return Collectives(2 * a, a, 1)", "return Collectives(2 * a, a, a)", (SYNC, "-k", "collectives")),
+    Mutant("policy: every all-reduces across replicas once", "accum_cli/policy.py",
+           "return Collectives(2 * a, a, a if across else 0)", "return Collectives(2 * a, a, 1 if across else 0)",
+           (SYNC, "-k", "collectives")),
+    Mutant("policy: last-keep-params holds no more than last", "accum_cli/policy.py",
+           "return 2 * size.n_params * size.compute_bytes", "return size.n_params * size.compute_bytes",
+           (SYNC, "-k", "memory")),
+    Mutant("policy: auto keeps last when memory is tight", "accum_cli/policy.py",
+           'return Decision(EVERY, f"{numbers}: too tight, so reduce-scatter every microbatch")',
+           'return Decision(LAST, f"{numbers}: too tight, so reduce-scatter every microbatch")',
+           ("tests/test_cli.py", "-k", "auto")),
+    Mutant("policy: one rank is not a reason for last", "accum_cli/policy.py",
+           "if plan.world_size == 1 or plan.accum_steps == 1:", "if plan.accum_steps == 1:",
+           (PROMISES, "-k", "one_rank")),
+    # --- loop: one optimizer step -------------------------------------------------------------
+    Mutant("loop: set_sync_flags is a no-op", "accum_cli/loop.py",
+           '    """Apply the sync policy before a microbatch\'s forward (the flags recurse to every layer)."""\n',
+           '    """Apply the sync policy before a microbatch\'s forward (the flags recurse to every layer)."""\n'
+           "    return\n", (SYNC, "-k", "collectives or memory")),
+    Mutant("loop: gradients synced on the first microbatch", "accum_cli/loop.py",
+           "is_last=index == len(microbatches) - 1", "is_last=index == 0", eq_case("model-2-3-last-")),
+    Mutant("loop: per-microbatch mean loss", "accum_cli/loop.py",
+           "(mb_loss_sum / loss_tokens).backward()",
+           "(mb_loss_sum / max(mb.loss_tokens, 1) / len(microbatches)).backward()", eq_case("model-2-3-every-")),
+    Mutant("loop: counts swapped", "accum_cli/loop.py",
+           "loss_tokens, tokens = (int(c) for c in counts.tolist())",
+           "tokens, loss_tokens = (int(c) for c in counts.tolist())", eq_case("model-2-3-every-")),
+    Mutant("loop: the reported loss is rank 0's own", "accum_cli/loop.py",
+           "loss = all_reduce_sum(torch.stack(mb_losses).sum()).item() / loss_tokens",
+           "loss = torch.stack(mb_losses).sum().item() / loss_tokens", eq_case("model-2-3-every-")),
+    Mutant("loop: no gradient clipping", "accum_cli/loop.py",
+           "max_norm = grad_clip if grad_clip > 0 else math.inf", "max_norm = math.inf", eq_case("model-1-3-last-")),
+    Mutant("loop: gradients kept across steps", "accum_cli/loop.py",
+           "    scheduler.step()\n    optimizer.zero_grad(set_to_none=True)\n", "    scheduler.step()\n",
+           eq_case("model-1-3-last-")),
+    Mutant("loop: skip does not advance the schedule", "accum_cli/loop.py",
+           "            scheduler.step()  # the schedule follows the step count, applied or not\n", "",
+           (CK, "-k", "skip")),
+    Mutant("loop: the failing microbatch is misnamed", "accum_cli/loop.py",
+           "first = int(bad[0, 0]) + 1 if len(bad) else 0", "first = int(bad[0, 0]) if len(bad) else 0",
+           (CK, "-k", "abort")),
+    # --- checkpoint ---------------------------------------------------------------------------
+    Mutant("checkpoint: latest is the oldest", "accum_cli/checkpoint.py",
+           "return complete[-1] if complete else None", "return complete[0] if complete else None",
+           (ORDER,)),
+    Mutant("checkpoint: sorted by name", "accum_cli/checkpoint.py",
+           "return sorted(complete, key=lambda p: int(p.name[5:]))", "return sorted(complete)", (ORDER,)),
+    Mutant("checkpoint: prune keeps one too few", "accum_cli/checkpoint.py",
+           "complete[: max(len(complete) - keep, 0)]", "complete[: max(len(complete) - keep + 1, 0)]",
+           (ORDER, f"{CK}::test_checkpoints_are_complete_and_pruned")),
+    Mutant("checkpoint: torn shards accepted", "accum_cli/checkpoint.py",
+           "if not shard.is_file() or shard.stat().st_size != size:", "if not shard.is_file():",
+           (BAD, "-k", "torn")),
+    Mutant("checkpoint: .metadata not verified", "accum_cli/checkpoint.py",
+           "if not metadata.is_file() or _sha256(metadata) != meta.metadata_sha256:", "if not metadata.is_file():",
+           (BAD, "-k", "tampered"), timeout_s=240),  # accepted, it trains the default run to the end
+    Mutant("checkpoint: the schedule restarts on resume", "accum_cli/checkpoint.py",
+           "    scheduler.load_state_dict(meta.scheduler)\n", "", (CK, "-k", "resume_continues")),
+    Mutant("checkpoint: export writes the initial weights", "accum_cli/checkpoint.py",
+           '    model.load_state_dict(state["model"])\n', "", (CK, "-k", "export")),
+    Mutant("checkpoint: RNG state not restored", "accum_cli/checkpoint.py",
+           '        torch.set_rng_state(rng["cpu"])\n', "        pass\n", (CK, "-k", "resume_continues"),
+           equivalent="nothing in training draws random numbers after setup (no dropout in the "
+           "supported models' training config, the data order is seeded by step, not by the RNG)"),
+    Mutant("model: final/ loses a layer", "accum_cli/model.py",
+           "model.save_pretrained(tmp, state_dict=state, safe_serialization=True)",
+           'model.save_pretrained(tmp, state_dict={k: v for k, v in state.items() if ".1." not in k}, '
+           "safe_serialization=True)", eq_case("model-2-3-every-")),
+    Mutant("model: activation checkpointing is a no-op", "accum_cli/model.py",
+           "    if settings.activation_checkpointing:\n", "    if False:\n", (SYNC, "-k", "checkpointing")),
+    # --- optim --------------------------------------------------------------------------------
+    Mutant("optim: warmup starts at zero", "accum_cli/optim.py",
+           "return (step + 1) / warmup_steps", "return step / warmup_steps", SCHEDULE),
+    Mutant("optim: cosine overshoots the peak", "accum_cli/optim.py",
+           "0.5 * (1.0 + math.cos(math.pi * progress))", "(1.0 + math.cos(math.pi * progress))",
+           SCHEDULE),
+    Mutant("optim: weight decay on vectors", "accum_cli/optim.py",
+           '{"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}',
+           '{"params": [p for p in params if p.ndim < 2], "weight_decay": cfg.weight_decay}',
+           eq_case("model-1-3-last-")),
+    Mutant("optim: Adam betas swapped", "accum_cli/optim.py",
+           "betas=(cfg.adam_beta1, cfg.adam_beta2)", "betas=(cfg.adam_beta2, cfg.adam_beta1)",
+           eq_case("model-1-3-last-")),
+    # --- data -----------------------------------------------------------------------------------
+    Mutant("data: every epoch in the same order", "accum_cli/data.py",
+           "np.random.default_rng([self.seed, epoch])", "np.random.default_rng([self.seed, 0])",
+           (f"{PROMISES}::test_every_epoch_is_a_fresh_shuffle_of_every_row",
+            "tests/test_data.py::test_the_order_depends_only_on_seed_and_global_batch")),
+    Mutant("data: labels ignored, inputs used as labels", "accum_cli/data.py",
+           "target[i, : len(row)] = torch.tensor(row_labels)", "target[i, : len(row)] = torch.tensor(row)",
+           eq_case("model-2-3-every-")),
+    Mutant("data: loss tokens counted before the shift", "accum_cli/data.py",
+           "return int((self.labels[:, 1:] != IGNORE_INDEX).sum())", "return int((self.labels != IGNORE_INDEX).sum())",
+           eq_case("model-2-3-every-")),
+    Mutant("data: padding counted as tokens", "accum_cli/data.py",
+           "mask[i, : len(row)] = 1", "mask[i, :] = 1", (PROMISES, "-k", "padding")),
+    Mutant("data: the empty microbatch's label counts", "accum_cli/data.py",
+           "return Microbatch(one, torch.ones_like(one), torch.full_like(one, IGNORE_INDEX))",
+           "return Microbatch(one, torch.ones_like(one), one.clone())", eq_case("model-2-2-every-"),
+           equivalent="its one label is at position 0, which the one-token shift never scores"),
+    # --- evaluate --------------------------------------------------------------------------------
+    Mutant("evaluate: the remainder rows are dropped", "accum_cli/evaluate.py",
+           "return range(start, start + base + (1 if rank < extra else 0))", "return range(start, start + base)",
+           ("tests/test_data.py", "-k", "cache_is_reused")),
+    Mutant("evaluate: eval in training mode", "accum_cli/evaluate.py", "    model.eval()\n", "",
+           ("tests/test_data.py", "-k", "cache_is_reused"),
+           equivalent="the supported models have no dropout or batch-dependent layers in training mode"),
+    # --- prepare -----------------------------------------------------------------------------------
+    Mutant("prepare: a dataset with no rows is not refused up front", "accum_cli/prepare.py",
+           "    if len(raw) == 0:\n", "    if False:\n", (PROMISES, "-k", "no_rows")),
+    Mutant("sources: an empty file reaches the parser", "accum_cli/sources.py",
+           "        if all(f.stat().st_size == 0 for f in files):", "        if False:", (BAD, "-k", "empty")),
+    Mutant("prepare: the chat header counts in the loss", "accum_cli/prepare.py",
+           "start = len(_template(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0",
+           "start = len(_template(tokenizer, messages[:i], add_generation_prompt=False)) if i else 0",
+           ("tests/test_data.py", "-k", "assistant")),
+    Mutant("prepare: the prompt counts in the loss", "accum_cli/prepare.py",
+           "[IGNORE_INDEX] * len(p) + c + eos", "p + c + eos", ("tests/test_data.py", "-k", "prompt_completion")),
+    Mutant("prepare: a partial last block is packed", "accum_cli/prepare.py",
+           "n = len(stream) // seq_len", "n = -(-len(stream) // seq_len)", ("tests/test_data.py", "-k", "packed")),
+    Mutant("prepare: the cache ignores the options", "accum_cli/prepare.py",
+           "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, asdict(options),",
+           "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, None,", (PROMISES, "-k", "cache")),
+]  # fmt: skip
+
+
+def baseline_tests(ref: str, dest: Path) -> None:
+    """Replace dest/tests with the tests of git commit `ref`."""
+    archive = subprocess.run(["git", "archive", ref, "tests"], cwd=REPO, capture_output=True, check=True).stdout
+    shutil.rmtree(dest / "tests")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def exists(root: Path, selection: str) -> bool:
+    """A test file, or file::test, present in this copy (a baseline's tests may lack it)."""
+    file, _, test = selection.partition("::")
+    path = root / file
+    return path.is_file() and (not test or f"def {test.split('[')[0]}(" in path.read_text())
+
+
+def run(mutant: Mutant, tests_from: str | None) -> tuple[str, float]:
+    source = (REPO / mutant.path).read_text()
+    if source.count(mutant.original) != 1:
+        return "STALE", 0.0
+    with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(REPO, copy, ignore=COPY_IGNORE)
+        if tests_from:
+            baseline_tests(tests_from, copy)
+        (copy / mutant.path).write_text(source.replace(mutant.original, mutant.mutated))
+        args = [a for a in mutant.tests if not a.startswith("tests/") or exists(copy, a)]
+        if not any(a.startswith("tests/") for a in args):
+            return "SURVIVED (no such tests)", 0.0
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        if mutant.path in DATA_MODULES:  # its prepared data must not land in the cache normal runs read
+            env["ACCUM_TRAIN_CACHE"] = f"{tmp}/cache"
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+        started = time.monotonic()
+        try:
+            result = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=mutant.timeout_s)
+        except subprocess.TimeoutExpired:
+            return "KILLED (timeout)", time.monotonic() - started
+        seconds = time.monotonic() - started
+    if result.returncode == 0:
+        return "SURVIVED", seconds
+    if result.returncode in (4, 5):  # no tests selected, or the selection does not exist
+        return "SURVIVED (no such tests)", seconds
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return f"KILLED by {failed[0] if failed else 'exit code ' + str(result.returncode)}", seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", default="", help="run only the mutants whose name matches this regular expression")
+    parser.add_argument("--tests-from", help="git commit whose tests/ to run instead of this checkout's")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    opts = parser.parse_args()
+    chosen = [m for m in MUTANTS if re.search(opts.k, m.name, re.IGNORECASE)]
+    if opts.list:
+        for m in chosen:
+            print(f"{m.name:<55} {m.path:<26} {' '.join(m.tests)}{'  [equivalent]' if m.equivalent else ''}")
+        return
+    outcomes = {}
+    for m in chosen:
+        outcome, seconds = run(m, opts.tests_from)
+        outcomes[m.name] = outcome
+        tag = "  [equivalent]" if m.equivalent else ""
+        verdict, _, why = outcome.partition(" by ")
+        print(
+            f"{verdict:<26} {seconds:6.1f} s  {m.name}{tag}" + (f"\n{'':35}by {why[:150]}" if why else ""), flush=True
+        )
+    scored = [m for m in chosen if not m.equivalent and outcomes[m.name] != "STALE"]
+    killed = sum(outcomes[m.name].startswith("KILLED") for m in scored)
+    survivors = [m for m in scored if not outcomes[m.name].startswith("KILLED")]
+    stale = [m.name for m in chosen if outcomes[m.name] == "STALE"]
+    print()
+    for m in survivors:
+        print(f"survived: {m.name} ({m.path}: {m.original.strip()[:60]!r} -> {m.mutated.strip()[:60]!r})")
+    for name in stale:
+        print(f"stale (its original snippet is gone; update the mutant): {name}")
+    equivalent = sum(1 for m in chosen if m.equivalent)
+    score = f"{killed}/{len(scored)} killed ({100 * killed / max(len(scored), 1):.0f}%)"
+    print(f"score: {score}; {equivalent} equivalent mutants not scored; {len(stale)} stale")
+    sys.exit(1 if stale else 0)
+
+
+if __name__ == "__main__":
+    main()

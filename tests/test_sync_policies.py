@@ -1,0 +1,91 @@
+"""Sync policies and activation checkpointing do what they promise, measured in real gloo runs
+of the real `model.shard` and `loop.train_step` (tests/sync_probe.py, started by torchrun).
+
+The losses are the same under every policy (test_equivalence.py), so only the collectives,
+the memory held between microbatches and the recomputed forwards can tell them apart. The
+expected collectives come from `policy.collectives`, the function `--plan` prints from.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import BIN, REPO, env, free_port, save_tiny_model
+from typer.testing import CliRunner
+
+from accum_cli import policy
+from accum_cli.cli import app
+
+pytestmark = pytest.mark.distributed
+
+TWO_RANKS = ["every:1", "last:1", "last-keep-params:1", "every:3", "last:3", "last-keep-params:3", "every:2:ac"]
+FOUR_RANKS = ["hsdp-defer:1", "hsdp-defer:3", "every:2"]  # 2 replicas x 2 shards
+
+
+def on_four_ranks(case: str) -> str:
+    """The name of a 4-rank (2 replicas x 2 shards) case among the measurements."""
+    return f"{case} x2"
+
+
+def probe(model: Path, out: Path, world: int, replicas: int, cases: list[str]) -> dict[str, dict]:
+    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={world}", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(REPO / "tests/sync_probe.py"), str(model), str(out), str(replicas), *cases]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return dict(zip(cases, json.loads(out.read_text()), strict=True))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("sync") / "model")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model) -> dict[str, dict]:
+    return probe(model, model.parent / "two.json", 2, 1, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(model) -> dict[str, dict]:
+    """Started only by the tests that need it: 4 processes are the slowest part of this file."""
+    return {on_four_ranks(case): m for case, m in probe(model, model.parent / "four.json", 4, 2, FOUR_RANKS).items()}
+
+
+@pytest.mark.parametrize("case", TWO_RANKS[:-1] + [on_four_ranks(case) for case in FOUR_RANKS])
+def test_collectives_per_step_are_what_the_plan_prints(request, case):
+    m = request.getfixturevalue("four_ranks" if case.endswith(" x2") else "two_ranks")[case]
+    expected = policy.collectives(m["sync"], m["accum"], m["replicas"])
+    got = policy.Collectives(**{kind: int(n) for kind, n in m["collectives"].items()})
+    print(f"{case} (replicas {m['replicas']}): measured {got}, plan {expected}")
+    assert got == expected
+    # ... and `--plan` for the same layout prints exactly these numbers.
+    world = 2 * m["replicas"]
+    result = CliRunner().invoke(app, ["--plan", "--world-size", str(world), "--replicas", str(m["replicas"]),
+                                      "--global-batch", str(world * m["accum"]), "--micro-batch", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.strip().startswith(m["sync"] + " "))
+    assert policy.collectives_per_step(m["sync"], m["accum"], m["replicas"]) in row, row
+
+
+def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
+    held = {
+        sync: max(two_ranks[f"{sync}:3"]["bytes_between_microbatches"])
+        for sync in ("every", "last", "last-keep-params")
+    }
+    print("live tensor bytes between microbatches (rank 0):", held)
+    assert held["every"] < held["last"] < held["last-keep-params"], held
+    size = policy.ModelSize(n_params=1000, compute_bytes=4)
+    planned = [policy.extra_bytes(sync, size) for sync in ("every", "last", "last-keep-params")]
+    assert planned == sorted(set(planned)), "the plan orders them the same way"
+    # The plan's model: `last` adds the unsharded gradients, `last-keep-params` also the
+    # unsharded parameters, so the two steps up are about the same size.
+    up_grads, up_params = held["last"] - held["every"], held["last-keep-params"] - held["last"]
+    assert 0.25 < up_grads / up_params < 4, held
+
+
+def test_activation_checkpointing_recomputes_each_layer_in_backward(two_ranks):
+    assert two_ranks["every:3"]["layer_forwards_per_microbatch"] == [1.0, 1.0]
+    assert two_ranks["every:2:ac"]["layer_forwards_per_microbatch"] == [2.0, 2.0]
