@@ -37,7 +37,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from accum_cli import model as modeling
 from accum_cli import outdir, safe_dcp
+from accum_cli.config import RESUME_AUTO, RESUME_LATEST
 from accum_cli.errors import UserError, first_line
 from accum_cli.runtime import all_ok
 
@@ -206,10 +208,14 @@ def read_meta(path: Path, flag: str = "--resume") -> Meta:
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Meta | None:
+    """The checkpoint to continue from: None for a fresh start (no --resume, or --resume auto
+    on an output dir that holds no complete checkpoint yet)."""
     if resume is None:
         return None
-    if resume == "latest":
+    if resume in (RESUME_LATEST, RESUME_AUTO):
         found = latest(output_dir)
+        if found is None and resume == RESUME_AUTO:
+            return None
         if found is None:
             raise UserError(
                 f"--resume: no complete checkpoint in {output_dir / CHECKPOINTS}; pass --resume PATH or start fresh"
@@ -419,8 +425,9 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> floa
     return time.perf_counter() - started
 
 
-def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False) -> Path:
-    """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU."""
+def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, export_dtype: str = "auto") -> Path:
+    """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU, in
+    `export_dtype` (auto: the dtype the model's config declares)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     meta = read_meta(checkpoint, flag="checkpoint")
@@ -433,10 +440,12 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False) -> 
     except safe_dcp.UnsafeCheckpoint as exc:
         raise safe_dcp.as_user_error(exc, meta.path, "checkpoint") from None
     config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
+    dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     state = {"model": model.state_dict()}
     _dcp_load(state, meta, "checkpoint", no_dist=True)
     model.load_state_dict(state["model"])
+    model.to(dtype)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     if tmp.exists() and outdir.is_marked(tmp):
         shutil.rmtree(tmp)
@@ -444,6 +453,7 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False) -> 
         tmp.mkdir(parents=True)
         outdir.mark(tmp, "export")
         model.save_pretrained(tmp, safe_serialization=True)
+        modeling.stamp_dtype(tmp, dtype)
         with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
             AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)
         for written in tmp.glob("*.safetensors"):

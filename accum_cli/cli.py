@@ -5,13 +5,22 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from typer.core import TyperCommand
 
-from accum_cli import policy
-from accum_cli.config import FIELD_NAMES, build_config
+from accum_cli import options
+from accum_cli.config import (
+    BATCH,
+    CHECKPOINTS,
+    EXPORT_DTYPES,
+    LAUNCH,
+    MODEL_DATA,
+    RESUME_AUTO,
+    RESUME_LATEST,
+    as_recipe,
+    build_config,
+)
 from accum_cli.errors import EXIT_USAGE, UserError
 from accum_cli.launcher import WRAPPED
 from accum_cli.runtime import EXIT_PEER_LOST, env_rank, exit_process, peer_lost
@@ -33,11 +42,11 @@ def with_resume_value(args: list[str]) -> list[str]:
         out.append(arg)
         following = args[i + 1] if i + 1 < len(args) else None
         if arg == "--resume" and (following is None or following.startswith("-")):
-            out.append("latest")
+            out.append(RESUME_LATEST)
     return out
 
 
-class OneLineErrors(TyperCommand):
+class OneLineErrors(options.PanelHelp):
     """Click's usage errors (unknown flag, `--micro-batch abc`) as one line, exit code 2."""
 
     def parse_args(self, ctx, args):
@@ -70,161 +79,75 @@ app = typer.Typer(
 Opt = typer.Option
 
 
+PRINT_CONFIG_HEAD = "accum-train --recipe THIS_FILE (written by accum-train --print-config)"
+
+
 @app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@options.config_flags
 def main(
     ctx: typer.Context,
-    model: Annotated[
-        Optional[str], Opt(help="Model folder (save_pretrained) or hub id. Default: the embedded tiny Llama.")
-    ] = None,
-    dataset: Annotated[
-        Optional[str],
-        Opt(help="A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. Default: embedded corpus."),
-    ] = None,
-    dataset_config: Annotated[Optional[str], Opt(help="Hub datasets: configuration (subset) name.")] = None,
-    split: Annotated[Optional[str], Opt(help="Hub datasets: the split to train on.  [default: train]")] = None,
-    packing: Annotated[
-        Optional[bool],
-        Opt(
-            "--packing/--no-packing",
-            help="Join documents with EOS into --seq-len blocks, or one document per row (truncated, padded per microbatch).  [default: packing for text, rows for chat/prompt-completion/tokens]",
-        ),
-    ] = None,
-    train_on_prompt: Annotated[
-        Optional[bool],
-        Opt(
-            "--train-on-prompt/--no-train-on-prompt",
-            help="Chat and prompt-completion data: count every token, not only the answers.  [default: no]",
-        ),
-    ] = None,
-    eval_dataset: Annotated[Optional[str], Opt(help="Dataset to evaluate on (same formats as --dataset).")] = None,
-    eval_split_ratio: Annotated[
-        Optional[float], Opt(help="Hold out this share of the training sequences for evaluation.")
-    ] = None,
-    eval_every: Annotated[
-        Optional[int], Opt(help="Evaluate every N optimizer steps (and at the end).  [default: at the end]")
-    ] = None,
-    text_column: Annotated[Optional[str], Opt(help="Column with raw text.  [default: text]")] = None,
-    num_proc: Annotated[
-        Optional[int], Opt(help="Worker processes that tokenise a big corpus.  [default: the CPU cores]")
-    ] = None,
-    trust_remote_code: Annotated[
-        Optional[bool],
-        Opt(
-            "--trust-remote-code/--no-trust-remote-code",
-            help="Run code shipped with the model or dataset.  [default: no]",
-        ),
-    ] = None,
-    attn_implementation: Annotated[
-        Optional[str],
-        Opt(
-            help="sdpa, eager, flex_attention, flash_attention_2/_3.  [default: sdpa if the model has it, else its own]"
-        ),
-    ] = None,
-    moe_aux_loss: Annotated[
-        Optional[str],
-        Opt(help="MoE router balancing loss: exact (one extra forward) or microbatch (approximate).  [default: exact]"),
-    ] = None,
-    seq_len: Annotated[
-        Optional[int],
-        Opt(help="Tokens per sequence.  [default: 128 on the embedded corpus, else min(2048, model maximum)]"),
-    ] = None,
-    global_batch: Annotated[
-        Optional[int], Opt(help="Sequences per optimizer step, over all ranks.  [default: 64]")
-    ] = None,
-    micro_batch: Annotated[Optional[int], Opt(help="Sequences per forward/backward on one rank.  [default: 8]")] = None,
-    strict_batch: Annotated[
-        Optional[bool],
-        Opt(
-            "--strict-batch/--no-strict-batch",
-            help="Refuse a global batch that is not a multiple of micro batch x world size.",
-        ),
-    ] = None,
-    max_steps: Annotated[Optional[int], Opt(help="Optimizer steps.  [default: one epoch]")] = None,
-    epochs: Annotated[
-        Optional[float], Opt(help="Passes over the data when --max-steps is not given.  [default: 1]")
-    ] = None,
-    lr: Annotated[Optional[float], Opt(help="Peak learning rate.  [default: 1e-3]")] = None,
-    warmup_steps: Annotated[Optional[int], Opt(help="Linear warmup steps.  [default: 5]")] = None,
-    lr_schedule: Annotated[Optional[str], Opt(help="cosine or constant.  [default: cosine]")] = None,
-    weight_decay: Annotated[Optional[float], Opt(help="AdamW weight decay on matrices.  [default: 0.1]")] = None,
-    grad_clip: Annotated[Optional[float], Opt(help="Max global gradient L2 norm; 0 disables.  [default: 1.0]")] = None,
-    seed: Annotated[Optional[int], Opt(help="Seed of the data order and of from-config weights.  [default: 0]")] = None,
-    sync: Annotated[
-        Optional[str], Opt(help=f"Gradient sync policy: {', '.join(policy.POLICIES)}.  [default: auto]")
-    ] = None,
-    precision: Annotated[
-        Optional[str], Opt(help="auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.  [default: auto]")
-    ] = None,
-    device_memory_gib: Annotated[
-        Optional[float], Opt(help="Memory per rank for the auto sync policy.  [default: read from the device]")
-    ] = None,
-    checkpoint_every: Annotated[
-        Optional[int],
-        Opt(help="Write a sharded checkpoint every N optimizer steps (always at the end and on SIGTERM/SIGINT)."),
-    ] = None,
-    keep_checkpoints: Annotated[Optional[int], Opt(help="Keep the latest K checkpoints.  [default: 2]")] = None,
-    resume: Annotated[
-        Optional[str], Opt(help="Continue from a checkpoint: alone, the latest in --output-dir; or a checkpoint PATH.")
-    ] = None,
-    on_nonfinite: Annotated[
-        Optional[str], Opt(help="NaN/inf loss or grad norm: abort (exit 3) or skip the step.  [default: abort]")
-    ] = None,
-    output_dir: Annotated[
-        Optional[str], Opt(help="Where metrics.jsonl, config.json and final/ go.  [default: runs/accum-train]")
-    ] = None,
-    overwrite: Annotated[
-        Optional[bool], Opt("--overwrite/--no-overwrite", help="Write into an output dir that holds a previous run.")
-    ] = None,
-    allow_data_change: Annotated[
-        Optional[bool],
-        Opt(
-            "--allow-data-change/--no-allow-data-change",
-            help="Resume although the data or its order changed since the checkpoint (the training then differs).",
-        ),
-    ] = None,
     recipe: Annotated[
-        Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")
+        Optional[str],
+        Opt(help="YAML recipe (or a run's config.json); flags given here override it, it overrides the defaults."),
     ] = None,
-    replicas: Annotated[
-        Optional[int], Opt(help="HSDP: model replicas, each sharded over world size / replicas ranks.  [default: 1]")
-    ] = None,
-    activation_checkpointing: Annotated[
-        Optional[bool],
+    print_config: Annotated[
+        bool,
         Opt(
-            "--activation-checkpointing/--no-activation-checkpointing",
-            help="Recompute layer activations in backward.  [default: the accelerate config's, else no]",
+            "--print-config", help="Print the resolved configuration as a recipe (defaults < recipe < flags) and exit."
+        ),
+    ] = False,
+    prepare_only: Annotated[
+        bool,
+        Opt(
+            "--prepare-only",
+            help="Tokenise and cache the data, print its summary, and exit.",
+            rich_help_panel=MODEL_DATA,
+        ),
+    ] = False,
+    plan: Annotated[
+        bool, Opt("--plan", help="Print the plan for --world-size and exit without training.", rich_help_panel=BATCH)
+    ] = False,
+    world_size: Annotated[
+        Optional[int], Opt(help="World size to plan for (with --plan only).", rich_help_panel=BATCH)
+    ] = None,
+    resume: Annotated[
+        Optional[str],
+        Opt(
+            help="Continue from a checkpoint: alone, the newest in --output-dir; auto: the newest if there is one, "
+            "else start fresh (one command line for the first start and every restart); or a checkpoint PATH.",
+            rich_help_panel=CHECKPOINTS,
         ),
     ] = None,
-    plan: Annotated[bool, Opt("--plan", help="Print the plan for --world-size and exit without training.")] = False,
-    prepare_only: Annotated[
-        bool, Opt("--prepare-only", help="Tokenise and cache the data, print its summary, and exit.")
-    ] = False,
-    world_size: Annotated[Optional[int], Opt(help="World size to plan for (with --plan only).")] = None,
     nproc: Annotated[
         Optional[int],
-        Opt(help="Start N worker processes on this machine through Accelerate's launcher.", rich_help_panel="Launch"),
+        Opt(help="Start N worker processes on this machine through Accelerate's launcher.", rich_help_panel=LAUNCH),
     ] = None,
-    nnodes: Annotated[int, Opt(help="Machines taking part (with --nproc).", rich_help_panel="Launch")] = 1,
-    node_rank: Annotated[int, Opt(help="This machine's rank, 0..nnodes-1.", rich_help_panel="Launch")] = 0,
+    nnodes: Annotated[int, Opt(help="Machines taking part (with --nproc).", rich_help_panel=LAUNCH)] = 1,
+    node_rank: Annotated[int, Opt(help="This machine's rank, 0..nnodes-1.", rich_help_panel=LAUNCH)] = 0,
     master_addr: Annotated[
-        str, Opt(help="Address of the machine with node rank 0.", rich_help_panel="Launch")
+        str, Opt(help="Address of the machine with node rank 0.", rich_help_panel=LAUNCH)
     ] = "127.0.0.1",
     master_port: Annotated[
-        int, Opt(help="Free TCP port on the machine with node rank 0.", rich_help_panel="Launch")
+        int, Opt(help="Free TCP port on the machine with node rank 0.", rich_help_panel=LAUNCH)
     ] = 29500,
     accelerate_config: Annotated[
         Optional[str],
-        Opt(help="Accelerate config file for the workers (see recipes/accelerate/).", rich_help_panel="Launch"),
+        Opt(help="Accelerate config file for the workers (see recipes/accelerate/).", rich_help_panel=LAUNCH),
     ] = None,
+    **flags: Any,
 ) -> None:
     """Train, or with --plan print the batch plan and exit.
 
     Example: accum-train --global-batch 2048 --micro-batch 4
     """
-    overrides = {k: v for k, v in locals().items() if k in FIELD_NAMES}
     wants_launch = nproc is not None or accelerate_config is not None
     try:
-        cfg = build_config(recipe, overrides)
+        cfg = build_config(recipe, flags)
+        if print_config:
+            print(as_recipe(cfg, PRINT_CONFIG_HEAD), end="")
+            return
+        if resume == RESUME_AUTO and cfg.overwrite:
+            raise UserError("--resume auto continues a run and --overwrite discards it; pass one of them")
         if wants_launch:
             if plan:
                 raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")
@@ -316,12 +239,21 @@ def export_main(
     ],
     out: Annotated[str, typer.Argument(help="New or empty folder for the Hugging Face model.")],
     trust_remote_code: Annotated[bool, Opt("--trust-remote-code", help="Run code shipped with the model.")] = False,
+    export_dtype: Annotated[
+        str,
+        Opt(
+            help="dtype of the exported weights; auto: the dtype the model's config declares, fp32 if none.",
+            metavar="[" + "|".join(EXPORT_DTYPES) + "]",
+        ),
+    ] = "auto",
 ) -> None:
     """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
     from accum_cli.checkpoint import export
 
     try:
-        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code)
+        if export_dtype not in EXPORT_DTYPES:
+            raise UserError(f"--export-dtype {export_dtype!r} is unknown; use one of: {', '.join(EXPORT_DTYPES)}")
+        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code, export_dtype)
     except UserError as exc:
         fail(str(exc))
     print(f"exported {checkpoint} -> {target}")

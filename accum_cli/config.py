@@ -1,4 +1,12 @@
-"""The training configuration: defaults < recipe YAML < CLI flags, validated in one place."""
+"""The training configuration, declared once: defaults < recipe < CLI flags, validated in one place.
+
+Each field of `TrainConfig` carries its help text, its `--help` panel, what None means, its
+choices and its bounds as field metadata (`option(...)`). Everything else derives from it:
+the Typer flags and their help (options.py), the recipe keys and their types, the bounds
+checks, `--print-config` and the `config.json` a run saves. A dataclass rather than pydantic:
+no new dependency, the one-line messages stay ours (`--lr must be a positive number, got
+-1`), and the metadata is plain data a test can enumerate.
+"""
 
 from __future__ import annotations
 
@@ -6,165 +14,155 @@ import dataclasses
 import math
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from accum_cli import policy
+from accum_cli import policy, recipe
 from accum_cli.errors import UserError
 
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 NONFINITE_ACTIONS = ("abort", "skip")
+EXPORT_DTYPES = ("auto", "fp32", "bf16", "fp16")
 MOE_AUX_LOSSES = ("exact", "microbatch")  # moe.py
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# --resume's words (a command flag, not a config field: it says how this invocation treats the
+# output dir, and a saved config must reproduce the run from scratch).
+RESUME_LATEST = "latest"  # `--resume` alone: the newest checkpoint, which must exist
+RESUME_AUTO = "auto"  # the newest checkpoint if there is one, else a fresh start
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64; numpy's default_rng any non-negative int
+
+# --help panels, in the order they are shown.
+MODEL_DATA = "Model & data"
+BATCH = "Batch"
+OPTIMISATION = "Optimisation"
+CHECKPOINTS = "Checkpoints & resume"
+LAUNCH = "Launch"
+OUTPUT = "Output"
+PANELS = (MODEL_DATA, BATCH, OPTIMISATION, CHECKPOINTS, LAUNCH, OUTPUT)
+
+
+def option(
+    default: Any,
+    help: str,
+    panel: str,
+    *,
+    none_means: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A config field with everything the flag, the recipe key and the checks need to know."""
+    meta = {"help": help, "panel": panel, "none_means": none_means, "choices": choices,
+            "ge": ge, "gt": gt, "le": le, "lt": lt}  # fmt: skip
+    return field(default=default, metadata=meta)
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    model: str | None = None
-    """Local folder written by save_pretrained, or a hub id. None: the embedded model."""
-    dataset: str | None = None
-    """A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id. None: embedded corpus."""
-    dataset_config: str | None = None
-    """Hub datasets: the configuration (subset) name."""
-    split: str = "train"
-    """Hub datasets: the split to train on."""
-    text_column: str = "text"
-    """Column holding raw text (ignored for pre-tokenised data with an input_ids column)."""
-    packing: bool | None = None
-    """Join documents with EOS and cut them into seq_len blocks. None: yes for plain text,
-    no (one document per row, truncated to seq_len) for chat, prompt-completion and tokens."""
-    train_on_prompt: bool = False
-    """Chat and prompt-completion data: count every token in the loss, not only the answers."""
-    eval_dataset: str | None = None
-    """A dataset to evaluate on (same formats as --dataset)."""
-    eval_split_ratio: float = 0.0
-    """Hold out this share of the training sequences for evaluation (when no eval_dataset)."""
-    eval_every: int | None = None
-    """Evaluate every N optimizer steps (and at the end) when there is an eval set."""
-    trust_remote_code: bool = False
-    """Run code shipped with a model or dataset. Off unless asked."""
-    num_proc: int | None = None
-    """Worker processes that tokenise a big corpus. None: the CPU cores this process may use."""
-    attn_implementation: str | None = None
-    """Attention kernel: sdpa, eager, flex_attention, flash_attention_2 or flash_attention_3, checked
-    against the model class and device before any work. None: sdpa where the class supports it, else
-    the class's default (eager)."""
-    moe_aux_loss: str = "exact"
-    """Mixture-of-experts router balancing loss (when the model config asks for it): exact (the step's
-    expert choices counted first in one extra forward without gradient) or microbatch (each
-    microbatch's own, weighted by its token share: no extra work, approximate under accumulation)."""
-    seq_len: int | None = None
-    """Tokens per sequence. None: 128 on the embedded corpus, else min(2048, model maximum)."""
-    global_batch: int = 64
-    """Sequences per optimizer step, summed over ranks and microbatches."""
-    micro_batch: int = 8
-    """Sequences per forward/backward on one rank."""
-    strict_batch: bool = False
-    """Refuse a global batch that is not a multiple of micro_batch x world size."""
-    max_steps: int | None = None
-    """Optimizer steps. None: one pass over the data (`epochs`)."""
-    epochs: float = 1.0
-    """Passes over the data when max_steps is not given."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    warmup_steps: int = 5
-    """Linear warmup from lr/warmup_steps to lr."""
-    lr_schedule: str = "cosine"
-    """cosine (decay to min_lr_ratio x lr at the last step) or constant."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine schedule, as a share of lr."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms or biases)."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
-    seed: int = 0
-    """Seeds the data order and the initial weights of a model trained from its config."""
-    sync: str = policy.AUTO
-    """When gradients are reduced: auto, every, last, last-keep-params."""
-    precision: str = "auto"
-    """auto (the accelerate config's mixed_precision if launched by it, else bf16 on CUDA and
-    fp32 on CPU), bf16 (bf16 params, fp32 gradient reduction) or fp32."""
-    replicas: int = 1
-    """HSDP: data-parallel replicas; each shards the model over world_size / replicas ranks."""
-    reshard_after_forward: bool | None = None
-    """Free gathered parameters after forward (None: the accelerate config's, else True)."""
-    activation_checkpointing: bool | None = None
-    """Recompute decoder-layer activations in backward (None: the accelerate config's, else False)."""
-    offload_params: bool | None = None
-    """CUDA only: keep sharded parameters and optimizer state in CPU memory (None: accelerate config's)."""
-    rank0_loading: bool | None = None
-    """Load the weights on rank 0 only and broadcast them; Accelerate's fsdp_cpu_ram_efficient_loading."""
-    device_memory_gib: float | None = None
-    """Memory per rank the auto sync policy may plan with. None: read it from the device."""
-    checkpoint_every: int | None = None
-    """Write a sharded checkpoint every N optimizer steps (always at the end and on SIGTERM/SIGINT)."""
-    keep_checkpoints: int = 2
-    """Keep the latest K checkpoints."""
-    on_nonfinite: str = "abort"
-    """A NaN/inf loss or gradient norm: abort (exit 3, last checkpoint untouched) or skip the step."""
-    output_dir: str = "runs/accum-train"
-    """Where metrics.jsonl, config.json and final/ are written."""
-    overwrite: bool = False
-    """Start afresh in an output dir that holds a previous accum-train run (only its own files are removed)."""
-    allow_data_change: bool = False
-    """Resume although the data, its preparation or its order (seed, eval split) changed since the checkpoint."""
+    # Model & data
+    model: str | None = option(None, "Model folder (save_pretrained) or hub id.", MODEL_DATA,
+                               none_means="the embedded tiny Llama")  # fmt: skip
+    dataset: str | None = option(None, "A .txt/.jsonl/.json/.parquet file, a folder of them, or a hub id.",
+                                 MODEL_DATA, none_means="the embedded corpus")  # fmt: skip
+    dataset_config: str | None = option(None, "Hub datasets: configuration (subset) name.", MODEL_DATA,
+                                        none_means="the dataset's default")  # fmt: skip
+    split: str = option("train", "Hub datasets: the split to train on.", MODEL_DATA)
+    text_column: str = option("text", "Column with raw text (not used for input_ids data).", MODEL_DATA)
+    packing: bool | None = option(
+        None, "Join documents with EOS into --seq-len blocks, or one document per row (truncated, padded).",
+        MODEL_DATA, none_means="packing for text, rows for chat/prompt-completion/tokens",
+    )  # fmt: skip
+    train_on_prompt: bool = option(False, "Chat and prompt-completion data: count every token, not only the answers.",
+                                   MODEL_DATA)  # fmt: skip
+    eval_dataset: str | None = option(None, "Dataset to evaluate on (same formats as --dataset).", MODEL_DATA,
+                                      none_means="none")  # fmt: skip
+    eval_split_ratio: float = option(0.0, "Hold out this share of the training sequences for evaluation.",
+                                     MODEL_DATA, ge=0, lt=1)  # fmt: skip
+    eval_every: int | None = option(None, "Evaluate every N optimizer steps (and at the end).", MODEL_DATA,
+                                    none_means="at the end", ge=1)  # fmt: skip
+    num_proc: int | None = option(None, "Worker processes that tokenise a big corpus.", MODEL_DATA,
+                                  none_means="the CPU cores this process may use", ge=1)  # fmt: skip
+    trust_remote_code: bool = option(False, "Run code shipped with the model or dataset.", MODEL_DATA)
+    attn_implementation: str | None = option(
+        None, "Attention kernel, checked against the model class and device before any work.", MODEL_DATA,
+        none_means="sdpa where the model class supports it, else its own default (eager)",
+        choices=ATTENTION_IMPLEMENTATIONS,
+    )  # fmt: skip
+    seq_len: int | None = option(None, "Tokens per sequence.", MODEL_DATA,
+                                 none_means="128 on the embedded corpus, else min(2048, model maximum)",
+                                 ge=2)  # fmt: skip
+    # Batch
+    global_batch: int = option(64, "Sequences per optimizer step, over all ranks and microbatches.", BATCH, ge=1)
+    micro_batch: int = option(8, "Sequences per forward/backward on one rank.", BATCH, ge=1)
+    strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
+                                BATCH)  # fmt: skip
+    max_steps: int | None = option(None, "Optimizer steps.", BATCH, none_means="--epochs passes over the data", ge=1)
+    epochs: float = option(1.0, "Passes over the data when --max-steps is not given.", BATCH, gt=0)
+    sync: str = option(policy.AUTO, "When gradients are reduced across ranks (see README, Sync policies).", BATCH,
+                       choices=policy.POLICIES)  # fmt: skip
+    device_memory_gib: float | None = option(None, "Memory per rank the auto sync policy may plan with.", BATCH,
+                                             none_means="read from the device", gt=0)  # fmt: skip
+    # Optimisation
+    lr: float = option(1e-3, "Peak learning rate.", OPTIMISATION, gt=0)
+    warmup_steps: int = option(5, "Linear warmup steps (from lr/warmup_steps to lr).", OPTIMISATION, ge=0)
+    lr_schedule: str = option("cosine", "cosine (decays to --min-lr-ratio x lr at the last step) or constant.",
+                              OPTIMISATION, choices=LR_SCHEDULES)  # fmt: skip
+    min_lr_ratio: float = option(0.1, "Final learning rate of the cosine schedule, as a share of lr.", OPTIMISATION,
+                                 ge=0, le=1)  # fmt: skip
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay, on matrices only (not norms or biases).",
+                                 OPTIMISATION, ge=0)  # fmt: skip
+    adam_beta1: float = option(0.9, "AdamW beta1.", OPTIMISATION, ge=0, le=1)
+    adam_beta2: float = option(0.95, "AdamW beta2.", OPTIMISATION, ge=0, le=1)
+    adam_eps: float = option(1e-8, "AdamW epsilon.", OPTIMISATION, ge=0)
+    grad_clip: float = option(1.0, "Max global gradient L2 norm; 0 disables clipping.", OPTIMISATION, ge=0)
+    seed: int = option(0, "Seed of the data order and of the weights of a model built from its config.",
+                       OPTIMISATION, ge=0, le=SEED_MAX)  # fmt: skip
+    moe_aux_loss: str = option(
+        "exact", "Mixture-of-experts router balancing loss (when the model config asks for it): exact (the step's "
+        "expert choices counted first in one extra forward without gradient) or microbatch (each microbatch's own, "
+        "weighted by its token share: approximate under accumulation).", OPTIMISATION, choices=MOE_AUX_LOSSES,
+    )  # fmt: skip
+    on_nonfinite: str = option("abort", "A NaN/inf loss or grad norm: abort (exit 3) or skip the step.",
+                               OPTIMISATION, choices=NONFINITE_ACTIONS)  # fmt: skip
+    # Checkpoints
+    checkpoint_every: int | None = option(
+        None, "Write a sharded checkpoint every N optimizer steps.", CHECKPOINTS,
+        none_means="only at the end and on SIGTERM/SIGINT", ge=1,
+    )  # fmt: skip
+    keep_checkpoints: int = option(2, "Keep the latest K checkpoints.", CHECKPOINTS, ge=1)
+    allow_data_change: bool = option(
+        False, "Resume although the data, its preparation or its order (seed, eval split) changed since the "
+        "checkpoint (the training then differs).", CHECKPOINTS,
+    )  # fmt: skip
+    # Launch: how the model sits on the devices (the training is the same whatever they are)
+    precision: str = option("auto", "bf16 (bf16 params, fp32 gradient reduction) or fp32; auto: the accelerate "
+                            "config's, else bf16 on CUDA and fp32 on CPU.", LAUNCH, choices=PRECISIONS)  # fmt: skip
+    replicas: int = option(1, "HSDP: model replicas, each sharded over world size / replicas ranks.", LAUNCH, ge=1)
+    reshard_after_forward: bool | None = option(None, "Free gathered parameters after forward.", LAUNCH,
+                                                none_means="the accelerate config's, else yes")  # fmt: skip
+    activation_checkpointing: bool | None = option(None, "Recompute decoder-layer activations in backward.", LAUNCH,
+                                                   none_means="the accelerate config's, else no")  # fmt: skip
+    offload_params: bool | None = option(None, "CUDA only: keep sharded parameters and optimizer state in CPU memory.",
+                                         LAUNCH, none_means="the accelerate config's, else no")  # fmt: skip
+    rank0_loading: bool | None = option(None, "Load the weights on rank 0 only and broadcast them.", LAUNCH,
+                                        none_means="the accelerate config's, else no")  # fmt: skip
+    # Output
+    output_dir: str = option("runs/accum-train", "Where metrics.jsonl, config.json, checkpoints/ and final/ go.",
+                             OUTPUT)  # fmt: skip
+    overwrite: bool = option(False, "Start afresh in an output dir that holds a previous accum-train run (only its "
+                             "own files are removed).", OUTPUT)  # fmt: skip
+    export_dtype: str = option("auto", "dtype of final/ (training keeps fp32 master weights); auto: the dtype the "
+                               "model's config declares, fp32 if none.", OUTPUT, choices=EXPORT_DTYPES)  # fmt: skip
 
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
-        problems: list[str] = []
-        for name in ("global_batch", "micro_batch", "warmup_steps", "seed", "replicas"):
-            minimum = 0 if name in ("warmup_steps", "seed") else 1
-            if getattr(self, name) < minimum:
-                problems.append(f"--{_flag(name)} must be >= {minimum}, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 2:
-            problems.append(f"--seq-len must be >= 2 tokens, got {self.seq_len}")
-        if self.max_steps is not None and self.max_steps < 1:
-            problems.append(f"--max-steps must be >= 1, got {self.max_steps}")
-        if not (self.epochs > 0 and math.isfinite(self.epochs)):
-            problems.append(f"--epochs must be a positive number, got {self.epochs}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            problems.append(f"--lr must be a positive number, got {self.lr}")
-        for name in ("weight_decay", "grad_clip", "adam_eps"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                problems.append(f"--{_flag(name)} must be >= 0, got {value}")
-        for name in ("adam_beta1", "adam_beta2", "min_lr_ratio"):
-            if not 0 <= getattr(self, name) <= 1:
-                problems.append(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        choices = (("sync", policy.POLICIES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS))
-        for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")
-        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            problems.append(
-                f"--attn-implementation {self.attn_implementation!r} is unknown; "
-                f"use one of: {', '.join(ATTENTION_IMPLEMENTATIONS)}"
-            )
-        if self.moe_aux_loss not in MOE_AUX_LOSSES:
-            problems.append(f"--moe-aux-loss {self.moe_aux_loss!r} is unknown; use one of: {', '.join(MOE_AUX_LOSSES)}")
-        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
-            problems.append(f"--device-memory-gib must be positive, got {self.device_memory_gib}")
-        if not 0 <= self.eval_split_ratio < 1:
-            problems.append(f"--eval-split-ratio must lie in [0, 1), got {self.eval_split_ratio}")
+        problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
-        if self.eval_every is not None and self.eval_every < 1:
-            problems.append(f"--eval-every must be >= 1, got {self.eval_every}")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            problems.append(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
-        if self.keep_checkpoints < 1:
-            problems.append(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if self.on_nonfinite not in NONFINITE_ACTIONS:
-            problems.append(
-                f"--on-nonfinite {self.on_nonfinite!r} is unknown; use one of: {', '.join(NONFINITE_ACTIONS)}"
-            )
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:
@@ -175,55 +173,98 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+FIELD_NAMES = tuple(FIELDS)
+TYPES = typing.get_type_hints(TrainConfig)
 
 
-FIELD_NAMES = tuple(f.name for f in fields(TrainConfig))
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def base_type(name: str) -> type:
+    """int for `int | None`, and so on."""
+    hint = TYPES[name]
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return next(k for k in kinds if k is not type(None))
+
+
+def default_text(name: str) -> str:
+    """The default as --help shows it: the value, or what None means."""
+    f = FIELDS[name]
+    if f.default is None:
+        return f.metadata["none_means"]
+    if isinstance(f.default, bool):
+        return "yes" if f.default else "no"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
+def _out_of_bounds(f: dataclasses.Field, value: Any) -> str | None:
+    """The one problem with a field's value against its declared choices and bounds, if any."""
+    meta, name = f.metadata, flag(f.name)
+    if value is None:
+        return None
+    if meta["choices"] is not None and value not in meta["choices"]:
+        return f"{name} {recipe.quote(value)} is unknown; use one of: {', '.join(meta['choices'])}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    got = recipe.quote(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} must be a finite number, got {got}"
+    ge, gt, le, lt = meta["ge"], meta["gt"], meta["le"], meta["lt"]
+    above = (ge is None or value >= ge) and (gt is None or value > gt)
+    below = (le is None or value <= le) and (lt is None or value < lt)
+    if above and below:
+        return None
+    if le is None and lt is None:
+        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be >= {ge}, got {got}"
+    high = f"{le}]" if le is not None else f"{lt})"
+    return f"{name} must lie in [{ge}, {high}, got {got}" if ge is not None else f"{name} must be <= {le}, got {got}"
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a recipe YAML into checked overrides: unknown keys and wrong types are errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path} does not exist; pass an existing YAML file to --recipe")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        raise UserError(f"recipe {path} is not valid YAML{line}; fix its syntax") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"recipe {path} must be a mapping of option: value")
+    """Read a recipe (YAML, or a run's config.json) into checked overrides: unknown keys and
+    wrong types are errors, each named in one line."""
+    path = Path(path).expanduser()
+    raw = recipe.read_mapping(path)
+    if isinstance(raw.get("config"), dict) and "plan" in raw:  # a run's config.json: its resolved config
+        raw = raw["config"]
     overrides = {}
     for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in FIELD_NAMES:
-            raise UserError(f"recipe {path}: unknown key {key!r}; known keys: {', '.join(FIELD_NAMES)}")
+        name = str(key).replace("-", "_") if isinstance(key, str) else None
+        if name not in FIELDS:
+            raise UserError(f"recipe {path}: unknown key {recipe.quote(key)}; known keys: {', '.join(FIELD_NAMES)}")
         overrides[name] = _checked(name, value, f"recipe {path}: key {key!r}")
     return overrides
 
 
-_TYPES = typing.get_type_hints(TrainConfig)
-
-
 def _checked(name: str, value: Any, where: str) -> Any:
-    """Coerce ints to floats where a float is expected; reject every other mismatch."""
-    hint = _TYPES[name]
+    """Coerce ints to floats where a float is expected (and integral floats such as 1e5 to
+    ints where an int is); reject every other mismatch."""
+    hint = TYPES[name]
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None and type(None) in allowed:
         return None
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if int in allowed and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
     for kind in allowed:
         if kind is not type(None) and type(value) is kind:
             return value
     wanted = " or ".join(k.__name__ for k in allowed if k is not type(None))
-    raise UserError(f"{where} must be {wanted}, got {type(value).__name__} {value!r}")
+    raise UserError(f"{where} must be {wanted}, got {type(value).__name__} {recipe.quote(value)}")
 
 
-def build_config(recipe: str | None, cli_overrides: dict[str, Any]) -> TrainConfig:
+def build_config(recipe_path: str | None, cli_overrides: dict[str, Any]) -> TrainConfig:
     """Defaults < recipe < CLI flags (a flag the user did not give is None and overrides nothing)."""
-    values = load_recipe(recipe) if recipe else {}
+    values = load_recipe(recipe_path) if recipe_path else {}
     values.update({k: v for k, v in cli_overrides.items() if v is not None})
     return TrainConfig(**values).validate()
+
+
+def as_recipe(cfg: TrainConfig, head: str) -> str:
+    """The configuration as recipe YAML, its keys grouped by --help panel."""
+    values = cfg.to_dict()
+    sections = [(panel, {n: values[n] for n, f in FIELDS.items() if f.metadata["panel"] == panel}) for panel in PANELS]
+    return recipe.dump(sections, head)

@@ -14,7 +14,10 @@ class before any work.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
+import json
+import os
 import re
 import shutil
 import tempfile
@@ -234,8 +237,10 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
     else:
         # Every rank draws the same initial weights from the same seed.
         torch.manual_seed(seed)
+        # A copy: from_config(dtype=fp32) records fp32 in the config it is given, and the run's
+        # config must keep the dtype the model declares (the default dtype of its export).
         model = AutoModelForCausalLM.from_config(
-            config,
+            copy.deepcopy(config),
             dtype=torch.float32,
             trust_remote_code=trust_remote_code,
             attn_implementation=config._attn_implementation,
@@ -347,8 +352,50 @@ def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt,
     return model
 
 
-def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool) -> None:
-    """Gather the full weights (a collective) and let rank 0 write HF format atomically."""
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def declared_dtype(config) -> torch.dtype:
+    """The dtype a model's config declares (`dtype` in transformers 5, `torch_dtype` before);
+    fp32 when it declares none or one we do not export (a model built from a bare config)."""
+    for key in ("dtype", "torch_dtype"):
+        value = vars(config).get(key)
+        if isinstance(value, str):
+            value = getattr(torch, value, None)
+        if value in EXPORT_DTYPES.values():
+            return value
+    return torch.float32
+
+
+def export_dtype(choice: str, config) -> torch.dtype:
+    """--export-dtype: auto is the dtype of the config the model was loaded from."""
+    return declared_dtype(config) if choice == "auto" else EXPORT_DTYPES[choice]
+
+
+def stamp_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """save_pretrained records the dtype of the module's (fp32 master) parameters, not of the
+    tensors it was handed: write the exported one into config.json."""
+    path = folder / "config.json"
+    record = json.loads(path.read_text())
+    key = "torch_dtype" if "torch_dtype" in record and "dtype" not in record else "dtype"
+    record[key] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def follow_umask(tree: Path) -> None:
+    """mkdtemp makes 0700 folders and transformers writes 0600 safetensors: give a published
+    model the modes every other file gets (0666/0777 less the umask), so colleagues on a
+    shared filesystem can read it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    tree.chmod(0o777 & ~mask)
+    for path in tree.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype: torch.dtype) -> None:
+    """Gather the full weights (a collective) and let rank 0 write HF format atomically, in
+    `dtype` (the fp32 master weights cast once, at the end)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
@@ -356,13 +403,16 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool) -> Non
     # cannot see the tie and would store the tensor twice: keep the name the model stores it as.
     for tied_name in model.get_expanded_tied_weights_keys(all_submodels=True):
         state.pop(tied_name, None)
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         outdir.mark(tmp, "final model")
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        stamp_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)
         if out_dir.exists() and outdir.is_marked(out_dir):
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

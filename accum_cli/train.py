@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from accum_cli import checkpoint, data, optim, outdir, policy, prepare, runtime, sharding, sources
 from accum_cli import model as modeling
-from accum_cli.config import TrainConfig
+from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
@@ -194,7 +194,9 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             "--eval-split-ratio changed); resume with the same data, or pass --allow-data-change to continue "
             "knowingly (the training then differs from an uninterrupted run)"
         )
-    lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=meta is not None)
+    # resuming: also --resume auto that found no checkpoint yet, in a folder that may hold the
+    # record of the same run killed before its first one (a fresh start then replaces it)
+    lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=resume is not None)
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
         checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, lock,
@@ -236,8 +238,9 @@ class Preempted(Exception):
     """Every rank agreed to stop after a signal; a checkpoint was saved."""
 
 
-def describe_resume(meta: checkpoint.Meta, plan: Plan, data_changed: bool = False) -> list[str]:
-    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed)"]
+def describe_resume(meta: checkpoint.Meta, plan: Plan, data_changed: bool = False, auto: bool = False) -> list[str]:
+    how = " (auto: the newest complete one)" if auto else ""
+    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
     before = (meta.world_size, meta.micro_batch)
     now = (plan.world_size, plan.micro_batch)
     if before != now:
@@ -271,7 +274,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
     try:
         if s.rt.is_main:
             print_lines(s.plan.describe(s.seq_len), "plan")
-            print_lines(describe_run(s, cfg), "run")
+            print_lines(describe_run(s, cfg, resume), "run")
         if prepare_only:
             return {"samples": s.stats.samples}
         return train(s, cfg)
@@ -280,7 +283,7 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             s.lock.release()
 
 
-def describe_run(s: Setup, cfg: TrainConfig) -> list[str]:
+def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
     rt = s.rt
     mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
     tokenised = (
@@ -306,7 +309,12 @@ def describe_run(s: Setup, cfg: TrainConfig) -> list[str]:
             f"note              took over the stale lock of a run that is gone ({s.lock.took_over.describe()})"
         )
     if s.resume is not None:
-        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id)
+        auto = resume == RESUME_AUTO
+        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+    elif resume == RESUME_AUTO:
+        lines.append(
+            f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint.CHECKPOINTS}, starting fresh"
+        )
     return lines
 
 
@@ -390,7 +398,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
                 save_checkpoint(done, samples)
         last = save_checkpoint(s.total_steps, samples)
-        save_final_model(s, model, last)
+        export_dtype = modeling.export_dtype(cfg.export_dtype, s.model_config)
+        save_final_model(s, model, last, export_dtype)
         summary = reporter.last or {}
         if rt.is_main:
             print_lines(
@@ -398,7 +407,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                     f"steps             {s.total_steps}",
                     f"final loss        {summary.get('loss', float('nan')):.4f}",
                     f"tokens            {reporter.tokens_total:,} in {summary.get('elapsed_s', 0):.1f} s",
-                    f"model             {s.output_dir / 'final'}",
+                    f"model             {s.output_dir / 'final'} ({str(export_dtype).removeprefix('torch.')})",
                     f"metrics           {s.output_dir / 'metrics.jsonl'}",
                 ],
                 "done",
@@ -406,11 +415,11 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     return summary
 
 
-def save_final_model(s: Setup, model, last_checkpoint: Path) -> None:
-    """Collective: the HF-format model; a failed write leaves the final checkpoint to export from."""
+def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype) -> None:
+    """Collective: the HF-format model in `dtype`; a failed write leaves the final checkpoint to export from."""
     error = None
     try:
-        modeling.save_final(model, s.tokenizer, s.output_dir / "final", s.rt.is_main)
+        modeling.save_final(model, s.tokenizer, s.output_dir / "final", s.rt.is_main, dtype)
     except OSError as exc:
         error = exc
     if not runtime.all_ok(error is None, s.rt.device):

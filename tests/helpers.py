@@ -27,8 +27,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_model(path: Path, tied: bool = False, seed: int = 1, chat_template: str | None = None) -> Path:
-    """A 2-layer Llama with real weights and the byte-level tokenizer, as save_pretrained writes it."""
+def save_tiny_model(
+    path: Path, tied: bool = False, seed: int = 1, chat_template: str | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """A 2-layer Llama with real weights and the byte-level tokenizer, as save_pretrained writes it
+    (in `dtype`, which its config.json then declares)."""
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -46,6 +49,8 @@ def save_tiny_model(path: Path, tied: bool = False, seed: int = 1, chat_template
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(path)
     tokenizer = ByT5Tokenizer()
     tokenizer.chat_template = chat_template

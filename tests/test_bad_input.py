@@ -49,6 +49,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     }
     for name, rows in bad_data.items():
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "latin1.yaml").write_bytes("dataset: donn\u00e9es.jsonl\n".encode("latin-1"))
+    (root / "big-seed.yaml").write_text(f"seed: {2**64}\n")
+    # A billion-item alias bomb in a few hundred bytes: refused fast, its value quoted short.
+    levels = ["&a [" + ", ".join(["lol"] * 9) + "]"]
+    levels += [f"&{c} [" + ", ".join([f"*{p}"] * 9) + "]" for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
+    (root / "bomb.yaml").write_text("model: [" + ", ".join(levels) + "]\n")
+    (root / "huge.yaml").write_text("# a comment line\n" * 70_000)
+    (root / "deep.yaml").write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
@@ -155,6 +163,16 @@ CASES = [
      "no position of the dataset counts in the loss"),
     (["--model", "{tiny}", "--dataset", "{empty-rows.jsonl}", "--global-batch", "4"],
      "no position of the dataset counts in the loss"),
+    (["--recipe", "{latin1.yaml}"], "is not UTF-8 text (line 1); save it as UTF-8"),
+    (["--seed", str(2**64)], f"--seed must lie in [0, {2**64 - 1}], got {2**64}"),
+    (["--recipe", "{big-seed.yaml}"], f"--seed must lie in [0, {2**64 - 1}]"),
+    (["--seed", "-1"], "--seed must lie in [0, "),
+    (["--device-memory-gib", "inf"], "--device-memory-gib must be a finite number, got inf"),
+    (["--device-memory-gib", "nan"], "--device-memory-gib must be a finite number, got nan"),
+    (["--recipe", "{bomb.yaml}"], "key 'model' must be str, got list [['lol', 'lol', 'lol', 'lol', ...], [[...],"),
+    (["--recipe", "{huge.yaml}"], "is larger than 1 MiB"),
+    (["--recipe", "{deep.yaml}"], "is nested too deeply"),
+    (["--recipe", "{no-config}"], "is a folder; pass a YAML file to --recipe"),
 ]  # fmt: skip
 
 
@@ -174,6 +192,7 @@ def test_bad_input(files, tmp_path, flags, message):
     assert result.exit_code == 2, result.output
     assert len(lines) == 1, result.output
     assert lines[0].startswith("accum-train: error: ") and message in lines[0], lines[0]
+    assert len(lines[0]) < 1000, "a value quoted in a message is bounded"
     assert "Traceback" not in result.output
     assert not out.exists(), "nothing is written on bad input"
 

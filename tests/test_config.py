@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from accum_cli.config import TrainConfig, build_config, load_recipe
+from accum_cli import options
+from accum_cli.config import TrainConfig, as_recipe, build_config, load_recipe
 from accum_cli.errors import UserError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -79,6 +80,112 @@ def test_every_recipe_loads_and_starts_with_its_command(recipe):
     else:
         cfg = build_config(str(recipe), {})
         assert cfg.global_batch >= 1
+
+
+# The command-line flags that are not config fields, and why: they say how to run this one
+# invocation (print, plan, tokenise only, continue from a checkpoint, start processes), not
+# what the training is, so a saved config.json must not carry them.
+COMMAND_FLAGS = {"--help", "--recipe", "--print-config", "--prepare-only", "--plan", "--world-size", "--resume",
+                 "--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--accelerate-config"}  # fmt: skip
+
+
+def test_every_config_field_is_a_flag_and_a_recipe_key_and_nothing_else_is():
+    import typer
+
+    from accum_cli.cli import app
+    from accum_cli.config import FIELDS, PANELS, default_text, flag
+
+    params = [p for p in typer.main.get_command(app).params if p.param_type_name == "option"]
+    by_name = {p.name: p for p in params}
+    assert set(options.command_flags(params)) | {"--help"} == COMMAND_FLAGS
+    for name, f in FIELDS.items():
+        option = by_name[name]  # a flag for every field, named after it
+        assert option.opts[0] == flag(name)
+        assert option.default is None, "a flag not given must not override the recipe"
+        assert f.metadata["panel"] in PANELS and f.metadata["help"]
+        assert f.default is not None or f.metadata["none_means"], f"{name}: say what None means"
+        assert f"[default: {default_text(name)}]" in option.help
+    # and every field is a recipe key of its own type
+    assert build_config(None, {}) == TrainConfig(**load_recipe_text(as_recipe(TrainConfig(), "x")))
+
+
+def load_recipe_text(text: str) -> dict:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    try:
+        return load_recipe(f.name)
+    finally:
+        Path(f.name).unlink()
+
+
+def test_help_is_grouped_in_panels_with_defaults_from_the_config():
+    from typer.testing import CliRunner
+
+    from accum_cli.cli import app
+    from accum_cli.config import PANELS
+
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    headings = [line[:-1] for line in result.output.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["Options", *PANELS]
+    for hidden_before in ("--min-lr-ratio", "--adam-beta1", "--adam-beta2", "--adam-eps", "--reshard-after-forward",
+                          "--offload-params", "--rank0-loading", "--export-dtype"):  # fmt: skip
+        assert hidden_before in result.output
+
+
+def test_recipe_numbers_follow_yaml_1_2(tmp_path):
+    values = load_recipe_text("lr: 3e-4\nweight_decay: 1E-2\nadam_eps: 1e-8\nmax_steps: 1e5\nepochs: 2\n")
+    assert values == {"lr": 3e-4, "weight_decay": 0.01, "adam_eps": 1e-8, "max_steps": 100000, "epochs": 2.0}
+    assert isinstance(values["max_steps"], int) and isinstance(values["epochs"], float)
+    for text, message in (("lr: fast", "key 'lr' must be float, got str 'fast'"),
+                          ("lr: '3e-4'", "key 'lr' must be float, got str '3e-4'"),
+                          ("max_steps: 1.5e0", "key 'max_steps' must be int")):  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            load_recipe_text(text)
+
+
+def test_print_config_is_a_recipe_of_the_resolved_configuration(tmp_path):
+    from typer.testing import CliRunner
+
+    from accum_cli.cli import app
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 3e-4\nglobal_batch: 128\nmicro_batch: 2\n")
+    # a string that YAML 1.2 would read as a number must come back a string
+    flags = ["--recipe", str(recipe), "--micro-batch", "4", "--dataset-config", "1e5", "--no-packing"]
+    result = CliRunner().invoke(app, [*flags, "--print-config"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("# accum-train --recipe")
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(result.output)
+    cfg = build_config(str(printed), {})
+    assert cfg == build_config(str(recipe), {"micro_batch": 4, "dataset_config": "1e5", "packing": False})
+    assert (cfg.lr, cfg.global_batch, cfg.micro_batch, cfg.dataset_config) == (3e-4, 128, 4, "1e5")
+
+
+@pytest.mark.parametrize("code, requeued", [(75, True), (0, False), (1, False)])
+def test_the_slurm_recipe_requeues_itself_after_a_preemption_and_only_then(tmp_path, code, requeued):
+    """The real sbatch script with srun, scontrol and accum-train replaced by recorders."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'SLURM_NODEID=0 "$@"',
+        "scontrol": f'[ "$1" = show ] && echo node0 || echo "scontrol $*" >> {log}',
+        "accum-train": f'echo "accum-train $*" >> {log}; exit {code}',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0",
+           "SLURM_NNODES": "1"}  # fmt: skip
+    result = subprocess.run(["bash", str(RECIPES / "slurm/train.sbatch"), "r.yaml"], env=env, capture_output=True,
+                            text=True, timeout=30)  # fmt: skip
+    assert result.returncode == code, result.stdout + result.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("accum-train --recipe r.yaml --resume auto --nproc 8 --nnodes 1 --node-rank 0")
+    assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
 
 
 def test_the_kubernetes_recipe_has_what_a_cluster_needs():

@@ -1,0 +1,109 @@
+"""Recipe files as users write them: YAML 1.2 numbers, bounded size, one-line errors.
+
+PyYAML implements YAML 1.1, where a float needs a dot: `3e-4` and `1e5` are strings there,
+yet every recipe copied from a paper or another trainer writes them so. YAML 1.2 (core
+schema) reads them as numbers. `Yaml12Loader` is PyYAML's SafeLoader with its float
+resolver replaced by the YAML 1.2 one; `Yaml12Dumper` carries the same resolver, so a string
+that would now read as a number (`"3e-4"`) is written quoted and reads back as a string.
+
+A recipe is a few KB; anything above MAX_BYTES is refused before parsing, and every value
+quoted in a message is cut to a few dozen characters (`quote`): a YAML alias bomb (a few
+hundred bytes that expand to billions of list items when printed) costs nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import reprlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from accum_cli.errors import UserError
+
+MAX_BYTES = 1 << 20  # 1 MiB: a generous bound for a file of option: value lines
+QUOTE_CHARS = 60
+
+FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2 core schema floats: a dot or an exponent (or both), .inf, .nan. Plain integers stay
+# with the int resolver, which comes first for the same leading characters.
+YAML12_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+[eE][-+]?[0-9]+
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+def _with_yaml12_floats(cls: type) -> type:
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != FLOAT_TAG]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    cls.add_implicit_resolver(FLOAT_TAG, YAML12_FLOAT, list("-+0123456789."))
+    return cls
+
+
+@_with_yaml12_floats
+class Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader (no Python objects) reading numbers per YAML 1.2."""
+
+
+@_with_yaml12_floats
+class Yaml12Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes any string Yaml12Loader would read as a number."""
+
+
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = QUOTE_CHARS
+
+
+def quote(value: Any) -> str:
+    """A value for a one-line message: repr, bounded in depth, items and length."""
+    text = _SHORT.repr(value).replace("\n", " ")
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def read_mapping(path: Path) -> dict[Any, Any]:
+    """The recipe's top-level mapping. A `.json` file is read as JSON (a run's config.json)."""
+    if path.is_dir():
+        raise UserError(f"recipe {path} is a folder; pass a YAML file to --recipe")
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist; pass an existing YAML file to --recipe")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise UserError(f"recipe {path} is larger than {MAX_BYTES >> 20} MiB; a recipe is a short option: value file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"recipe {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=Yaml12Loader)
+    except (yaml.YAMLError, ValueError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else f" (line {exc.lineno})" if hasattr(exc, "lineno") else ""
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise UserError(f"recipe {path} is not valid {kind}{line}; fix its syntax") from None
+    except RecursionError:
+        raise UserError(f"recipe {path} is nested too deeply; a recipe is a flat option: value mapping") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"recipe {path} must be a mapping of option: value")
+    return data
+
+
+def dump(sections: list[tuple[str, dict[str, Any]]], head: str) -> str:
+    """Recipe YAML: a comment line `head`, then each section's keys under its title."""
+    lines = [f"# {head}"]
+    for title, values in sections:
+        lines.append(f"\n# {title}")
+        for key, value in values.items():
+            lines.append(yaml.dump({key: value}, Dumper=Yaml12Dumper, width=1 << 16).rstrip("\n"))
+    return "\n".join(lines) + "\n"
