@@ -143,7 +143,9 @@ def main(
     epochs: Annotated[
         Optional[float], Opt(help="Passes over the data when --max-steps is not given.  [default: 1]")
     ] = None,
-    lr: Annotated[Optional[float], Opt(help="Peak learning rate.  [default: 1e-3]")] = None,
+    lr: Annotated[
+        Optional[float], Opt(help="Peak learning rate.  [default: 2e-5 for pretrained weights, 1e-3 from scratch]")
+    ] = None,
     warmup_steps: Annotated[Optional[int], Opt(help="Linear warmup steps.  [default: 5]")] = None,
     lr_schedule: Annotated[Optional[str], Opt(help="cosine or constant.  [default: cosine]")] = None,
     weight_decay: Annotated[Optional[float], Opt(help="AdamW weight decay on matrices.  [default: 0.1]")] = None,
@@ -174,6 +176,14 @@ def main(
     ] = None,
     overwrite: Annotated[
         Optional[bool], Opt("--overwrite/--no-overwrite", help="Write into an output dir that holds a previous run.")
+    ] = None,
+    report_to: Annotated[
+        Optional[str],
+        Opt(help="Trackers, comma-separated: tensorboard, wandb, mlflow, trackio, ...; all or none.  [default: none]"),
+    ] = None,
+    run_name: Annotated[Optional[str], Opt(help="Trackers' run name.  [default: the output dir's name]")] = None,
+    log_every: Annotated[
+        Optional[int], Opt(help="Console line every N steps (metrics.jsonl has every step).  [default: ~20 lines]")
     ] = None,
     allow_data_change: Annotated[
         Optional[bool],

@@ -69,8 +69,8 @@ class TrainConfig:
     """Optimizer steps. None: one pass over the data (`epochs`)."""
     epochs: float = 1.0
     """Passes over the data when max_steps is not given."""
-    lr: float = 1e-3
-    """Peak learning rate."""
+    lr: float | None = None
+    """Peak learning rate. None: 2e-5 for pretrained weights, 1e-3 for a model trained from its config."""
     warmup_steps: int = 5
     """Linear warmup from lr/warmup_steps to lr."""
     lr_schedule: str = "cosine"
@@ -113,6 +113,12 @@ class TrainConfig:
     """Where metrics.jsonl, config.json and final/ are written."""
     overwrite: bool = False
     """Start afresh in an output dir that holds a previous accum-train run (only its own files are removed)."""
+    report_to: str = "none"
+    """Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio, ...; all (every installed one) or none."""
+    run_name: str | None = None
+    """The trackers' run name. None: the output dir's name (the same on every restart)."""
+    log_every: int | None = None
+    """Print a console line every N optimizer steps. None: about 20 lines per run (metrics.jsonl has every step)."""
     allow_data_change: bool = False
     """Resume although the data, its preparation or its order (seed, eval split) changed since the checkpoint."""
 
@@ -129,7 +135,7 @@ class TrainConfig:
             problems.append(f"--max-steps must be >= 1, got {self.max_steps}")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             problems.append(f"--epochs must be a positive number, got {self.epochs}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             problems.append(f"--lr must be a positive number, got {self.lr}")
         for name in ("weight_decay", "grad_clip", "adam_eps"):
             value = getattr(self, name)
@@ -155,6 +161,8 @@ class TrainConfig:
             problems.append(f"--eval-split-ratio must lie in [0, 1), got {self.eval_split_ratio}")
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
+        if self.log_every is not None and self.log_every < 1:
+            problems.append(f"--log-every must be >= 1, got {self.log_every}")
         if self.eval_every is not None and self.eval_every < 1:
             problems.append(f"--eval-every must be >= 1, got {self.eval_every}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

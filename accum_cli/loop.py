@@ -99,7 +99,7 @@ def train_step(
     sync: str,
     grad_clip: float,
     device: torch.device,
-    step: int = 0,
+    step: int = 1,  # the step's number, from 1, for messages
     on_nonfinite: str = "abort",
     moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -15,13 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accum_cli import checkpoint, data, optim, outdir, policy, prepare, runtime, sharding, sources
+from accum_cli import checkpoint, data, optim, outdir, policy, prepare, report, runtime, sharding, sources, tracking
 from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_before, print_lines
+from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, print_lines
 from accum_cli.plan import Plan
 from accum_cli.runtime import env_rank
 from accum_cli.sharding import ShardSettings
@@ -107,6 +109,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     """The cheap checks that need no process group: run by the launcher wrapper before it
     starts any worker, and by every worker before any collective, so all ranks fail alike."""
     out = outdir.resolve(cfg.output_dir)
+    tracking.parse(cfg.report_to)  # a tracker that is not installed is refused before any work
     outdir.check(out, cfg.overwrite, resuming=resume is not None)
     if env_rank() == 0:
         outdir.probe(out)
@@ -268,10 +271,12 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
     s = setup(cfg, resume, prepare_only)
+    lr_given = cfg.lr is not None
+    cfg = with_default_lr(cfg, s.source.has_weights)
     try:
         if s.rt.is_main:
             print_lines(s.plan.describe(s.seq_len), "plan")
-            print_lines(describe_run(s, cfg), "run")
+            print_lines(describe_run(s, cfg, lr_given), "run")
         if prepare_only:
             return {"samples": s.stats.samples}
         return train(s, cfg)
@@ -280,7 +285,23 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             s.lock.release()
 
 
-def describe_run(s: Setup, cfg: TrainConfig) -> list[str]:
+PRETRAINED_LR = 2e-5  # full fine-tuning of pretrained LLM weights: 1e-3 would wreck them in a few steps
+FROM_SCRATCH_LR = 1e-3  # a small model trained from its config (the embedded default)
+
+
+def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
+    """--lr unset: a rate that fits the weights (pretrained or from scratch)."""
+    if cfg.lr is not None:
+        return cfg
+    return dataclasses.replace(cfg, lr=PRETRAINED_LR if pretrained else FROM_SCRATCH_LR)
+
+
+def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool) -> str:
+    origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
+    return f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"
+
+
+def describe_run(s: Setup, cfg: TrainConfig, lr_given: bool) -> list[str]:
     rt = s.rt
     mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
     tokenised = (
@@ -296,6 +317,7 @@ def describe_run(s: Setup, cfg: TrainConfig) -> list[str]:
         f"tokenisation      {tokenised}",
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
+        describe_lr(cfg, lr_given, s.source.has_weights),
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
         f"sharding          {s.settings.describe()}",
         f"sync policy       {s.decision.policy} ({s.decision.reason})",
@@ -338,8 +360,12 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         if rt.is_main:
             print(f"checkpoint loaded in {seconds:.2f} s", flush=True)
 
+    trackers = None
     if rt.is_main:
-        _write_run_record(s, cfg, start_step)
+        hparams = _write_run_record(s, cfg, start_step)
+        names = tracking.parse(cfg.report_to)
+        if names:
+            trackers = tracking.Trackers(names, run_name(cfg), s.output_dir, hparams, resume_step=start_step)
     dist.barrier()
 
     record = {
@@ -355,6 +381,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         )  # fmt: skip
         if rt.is_main:
             print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
+            refresh_report(s.output_dir)
         return path
 
     per_token = flops_per_token(
@@ -363,8 +390,10 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         getattr(s.model_config, "hidden_size", 0),
         s.seq_len,
     )
-    reporter = Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size)
-    with StopRequest() as stop, reporter:
+    reporter = Reporter(
+        s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size, cfg.log_every
+    )
+    with StopRequest() as stop, reporter, contextlib.closing(trackers or tracking.Trackers.none()) as trackers:
         samples = first_sample
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
@@ -373,13 +402,13 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                 for j in range(plan.accum_steps)
             ]
             result = train_step(
-                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
+                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step + 1,
                 cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
             samples += plan.global_batch
             done = step + 1
             seconds = time.perf_counter() - started
-            reporter.step(step, result, seconds, evaluate(done))
+            trackers.log(reporter.step(step, result, seconds, evaluate(done)))
             if done < s.total_steps and stop.agreed(rt.device):  # the last step just finishes
                 path = save_checkpoint(done, samples)
                 waited = time.monotonic() - stop.received_at if stop.received_at else 0.0
@@ -406,6 +435,21 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     return summary
 
 
+def run_name(cfg: TrainConfig) -> str:
+    """--run-name, else the output dir's name: the same on every restart of the run."""
+    return cfg.run_name or Path(cfg.output_dir).expanduser().resolve().name
+
+
+def refresh_report(output_dir: Path) -> None:
+    """Rank 0: redraw report.png (loss, lr, grad norm, tokens/s, memory) when matplotlib is there."""
+    if not report.available():
+        return
+    try:
+        report.draw([output_dir], output_dir / report.REPORT)
+    except Exception as exc:  # a picture must never cost the run: say so and go on
+        print(f"note: report.png not drawn ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+
+
 def save_final_model(s: Setup, model, last_checkpoint: Path) -> None:
     """Collective: the HF-format model; a failed write leaves the final checkpoint to export from."""
     error = None
@@ -421,11 +465,11 @@ def save_final_model(s: Setup, model, last_checkpoint: Path) -> None:
         )
 
 
-def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
+def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
     """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json."""
     out = s.output_dir
     if s.resume is not None:
-        keep_metrics_before(out, start_step)
+        keep_metrics_until(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         outdir.clear_previous_run(out)
     if not outdir.is_marked(out):
@@ -448,6 +492,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
         "resumed_from": str(s.resume.path) if s.resume else None,
     }
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def _pad_id(s: Setup) -> int:

@@ -100,7 +100,7 @@ def references(workdir) -> dict:
 
 def assert_same_training(out: Path, ref: dict) -> None:
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"], strict=True):
         assert rel_err(m["loss"], loss) < TOL, (m["step"], m["loss"], loss)
         assert rel_err(m["grad_norm"], norm) < TOL, (m["step"], m["grad_norm"], norm)
