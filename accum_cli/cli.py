@@ -195,6 +195,12 @@ def main(
     recipe: Annotated[
         Optional[str], Opt(help="YAML recipe; flags given here override it, it overrides the defaults.")
     ] = None,
+    layout: Annotated[
+        Optional[str],
+        Opt(
+            help="shard (FSDP2), replicate (whole state on every rank), or auto: replicate when it fits.  [default: auto]"
+        ),
+    ] = None,
     replicas: Annotated[
         Optional[int], Opt(help="HSDP: model replicas, each sharded over world size / replicas ranks.  [default: 1]")
     ] = None,

@@ -14,6 +14,7 @@ import yaml
 
 from accum_cli import policy
 from accum_cli.errors import UserError
+from accum_cli.layout import LAYOUTS
 
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -91,6 +92,9 @@ class TrainConfig:
     precision: str = "auto"
     """auto (the accelerate config's mixed_precision if launched by it, else bf16 on CUDA and
     fp32 on CPU), bf16 (bf16 params, fp32 gradient reduction) or fp32."""
+    layout: str = "auto"
+    """shard (FSDP2), replicate (the whole state on every rank, one all-reduce per step), or auto:
+    replicate where the training state fits a device, else shard."""
     replicas: int = 1
     """HSDP: data-parallel replicas; each shards the model over world_size / replicas ranks."""
     reshard_after_forward: bool | None = None
@@ -144,7 +148,8 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2", "min_lr_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 problems.append(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        choices = (("sync", policy.POLICIES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS))
+        choices = (("sync", policy.POLICIES), ("lr_schedule", LR_SCHEDULES), ("precision", PRECISIONS),
+                   ("layout", LAYOUTS))  # fmt: skip
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_flag(name)} {getattr(self, name)!r} is unknown; use one of: {', '.join(allowed)}")

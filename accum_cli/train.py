@@ -17,7 +17,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accum_cli import checkpoint, data, optim, outdir, policy, prepare, report, runtime, sharding, sources, tracking
+from accum_cli import (
+    checkpoint,
+    data,
+    layout,
+    optim,
+    outdir,
+    policy,
+    prepare,
+    report,
+    runtime,
+    sharding,
+    sources,
+    tracking,
+)
 from accum_cli import model as modeling
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
@@ -64,13 +77,19 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     bf16 = cfg.precision != "fp32"  # planning for a cluster: CUDA with bf16 unless told otherwise
     size = model_size(modeling.parameter_shapes(model_config, cfg.trust_remote_code), bf16)
     memory, where = _planning_memory(cfg)
-    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, bf16, size.n_params, memory)
+    decision = (
+        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+        if chosen_layout.layout == layout.REPLICATE
+        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    )
     print_lines(plan.describe(seq_len), "plan")
     print_lines(
         [
             *policy.describe(plan, size, memory, cfg.replicas),
             f"(device memory {where}; {'bf16' if bf16 else 'fp32'} compute)",
             f"chosen: {decision.policy} — {decision.reason}",
+            f"layout: {chosen_layout.layout} — {chosen_layout.reason}",
         ],
         f"sync policy ({cfg.sync})",
     )
@@ -102,6 +121,7 @@ class Setup:
     output_dir: Path
     resume: checkpoint.Meta | None
     data_id: str  # the prepared data and its order: a resume on other data is refused
+    layout: layout.Decision
     lock: outdir.RunLock | None  # rank 0's hold on the output dir (None elsewhere, or for --prepare-only)
 
 
@@ -185,7 +205,12 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         seq_len = longest
     size = model_size(shapes, settings.bf16)
     memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
-    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, settings.bf16, size.n_params, memory)
+    decision = (
+        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+        if chosen_layout.layout == layout.REPLICATE
+        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    )
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
         raise UserError(
@@ -200,7 +225,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=meta is not None)
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
-        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, lock,
+        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout, lock,
     )  # fmt: skip
 
 
@@ -319,6 +344,7 @@ def describe_run(s: Setup, cfg: TrainConfig, lr_given: bool) -> list[str]:
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
         describe_lr(cfg, lr_given, s.source.has_weights),
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
+        f"layout            {s.layout.layout} ({s.layout.reason})",
         f"sharding          {s.settings.describe()}",
         f"sync policy       {s.decision.policy} ({s.decision.reason})",
         *(f"note              {note}" for note in s.settings.notes),
@@ -335,9 +361,14 @@ def describe_run(s: Setup, cfg: TrainConfig, lr_given: bool) -> list[str]:
 def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
-    model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+    if s.layout.layout == layout.REPLICATE:
+        model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
+        wrapped = modeling.describe_replicated(model)
+    else:
+        model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+        wrapped = modeling.describe_sharding(model)
     if rt.is_main:
-        print(f"  {'sharded':<18}{modeling.describe_sharding(model)}", flush=True)
+        print(f"  {'wrapped':<18}{wrapped}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
@@ -485,6 +516,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
             "world_size": s.plan.world_size,
             "accum_steps": s.plan.accum_steps,
             "rank_samples": [s.plan.rank_samples(r) for r in range(s.plan.world_size)],
+            "layout": s.layout.layout,
             "sync": s.decision.policy,
             "sync_reason": s.decision.reason,
             "total_steps": s.total_steps,

@@ -110,6 +110,17 @@ def test_resume_continues_the_same_training(root, uninterrupted, tmp_path, sourc
         assert rel_err(final[name], expected[name]) < 1e-5, name
 
 
+def test_resume_across_layouts_continues_the_same_training(root, uninterrupted, tmp_path):
+    """The reference runs replicate (the tiny state fits); resuming sharded must not notice."""
+    source = uninterrupted[2]
+    assert json.loads((source / "config.json").read_text())["plan"]["layout"] == "replicate"
+    out = tmp_path / "sharded"
+    resume = ("--resume", str(source / "checkpoints/step-000002"), "--layout", "shard", "--sync", "last")
+    result = ok(run_cli(args(root, out, 2, 6, *resume), nproc=2))
+    assert "layout            shard (as requested)" in result.stdout
+    assert_losses_match(read_metrics(out), read_metrics(source), 1e-5)
+
+
 def test_sigterm_stops_every_rank_at_a_step_boundary_and_resume_is_exact(root, tmp_path):
     """A real SIGTERM to one worker of a real 2-process run (started by the --nproc wrapper)."""
     # A constant LR, so the schedule does not depend on the number of steps asked for.
