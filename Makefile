@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench mutants clean
+.PHONY: setup run test test-fast lint format bench bench-peers mutants clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ format: setup
 
 bench: setup
 	$(BIN)/python bench/overhead.py
+
+# accum-train (defaults) vs the HF Trainer, Accelerate's accumulate() and hand-written FSDP2, side by side.
+bench-peers: setup
+	bash bench/peers.sh
 
 # Hand-written mutants, each against the tests that should catch it (bench/MUTANTS.md). Slow; not CI.
 mutants: setup

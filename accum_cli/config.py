@@ -20,6 +20,7 @@ from typing import Any
 
 from accum_cli import policy, recipe
 from accum_cli.errors import UserError
+from accum_cli.layout import LAYOUTS
 
 LR_SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -107,7 +108,8 @@ class TrainConfig:
     device_memory_gib: float | None = option(None, "Memory per rank the auto sync policy may plan with.", BATCH,
                                              none_means="read from the device", gt=0)  # fmt: skip
     # Optimisation
-    lr: float = option(1e-3, "Peak learning rate.", OPTIMISATION, gt=0)
+    lr: float | None = option(None, "Peak learning rate.", OPTIMISATION, gt=0,
+                              none_means="2e-5 for pretrained weights, 1e-3 for a model built from its config")  # fmt: skip
     warmup_steps: int = option(5, "Linear warmup steps (from lr/warmup_steps to lr).", OPTIMISATION, ge=0)
     lr_schedule: str = option("cosine", "cosine (decays to --min-lr-ratio x lr at the last step) or constant.",
                               OPTIMISATION, choices=LR_SCHEDULES)  # fmt: skip
@@ -141,6 +143,9 @@ class TrainConfig:
     # Launch: how the model sits on the devices (the training is the same whatever they are)
     precision: str = option("auto", "bf16 (bf16 params, fp32 gradient reduction) or fp32; auto: the accelerate "
                             "config's, else bf16 on CUDA and fp32 on CPU.", LAUNCH, choices=PRECISIONS)  # fmt: skip
+    layout: str = option("auto", "shard (FSDP2) or replicate (the whole state on every rank, one all-reduce per "
+                         "step); auto: replicate where the training state fits a device, else shard.", LAUNCH,
+                         choices=LAYOUTS)  # fmt: skip
     replicas: int = option(1, "HSDP: model replicas, each sharded over world size / replicas ranks.", LAUNCH, ge=1)
     reshard_after_forward: bool | None = option(None, "Free gathered parameters after forward.", LAUNCH,
                                                 none_means="the accelerate config's, else yes")  # fmt: skip
@@ -155,6 +160,12 @@ class TrainConfig:
                              OUTPUT)  # fmt: skip
     overwrite: bool = option(False, "Start afresh in an output dir that holds a previous accum-train run (only its "
                              "own files are removed).", OUTPUT)  # fmt: skip
+    report_to: str = option("none", "Experiment trackers, comma-separated: tensorboard, wandb, mlflow, trackio, ...; "
+                            "all (every installed one) or none.", OUTPUT)  # fmt: skip
+    run_name: str | None = option(None, "The trackers' run name.", OUTPUT,
+                                  none_means="the output dir's name (the same on every restart)")  # fmt: skip
+    log_every: int | None = option(None, "Print a console line every N optimizer steps (metrics.jsonl has all).",
+                                   OUTPUT, none_means="about 20 lines per run", ge=1)  # fmt: skip
     export_dtype: str = option("auto", "dtype of final/ (training keeps fp32 master weights); auto: the dtype the "
                                "model's config declares, fp32 if none.", OUTPUT, choices=EXPORT_DTYPES)  # fmt: skip
 

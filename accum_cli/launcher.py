@@ -163,7 +163,7 @@ def _nothing_lost(output_dir: Path) -> bool:
         return False
     lines = metrics.read_text().splitlines()
     try:
-        completed = json.loads(lines[-1])["step"] + 1 if lines else 0
+        completed = json.loads(lines[-1])["step"] if lines else 0
     except (ValueError, KeyError, TypeError):
         return False
     return checkpoint.step_of(newest) == completed

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from accum_cli import moe, policy
@@ -58,6 +59,35 @@ def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
         model.set_requires_all_reduce(is_last)
 
 
+REDUCE_BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: few collectives, bounded extra memory
+
+
+def reduce_replicated_gradients(model: nn.Module) -> None:
+    """Replicated layout: sum each rank's accumulated gradients over ranks, once per step, in
+    buckets of flattened gradients. A parameter that saw no gradient on this rank (an expert no
+    token was routed to) contributes zeros, so every rank reduces the same buckets."""
+    if dist.get_world_size() == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    filled = 0
+    for i, p in enumerate(params):
+        bucket.append(p.grad)
+        filled += p.grad.numel() * p.grad.element_size()
+        last = i == len(params) - 1
+        if filled >= REDUCE_BUCKET_BYTES or last or params[i + 1].grad.dtype != p.grad.dtype:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, filled = [], 0
+
+
 def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int]:
     local = [sum(mb.loss_tokens for mb in microbatches), sum(mb.tokens for mb in microbatches)]
     counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
@@ -99,7 +129,7 @@ def train_step(
     sync: str,
     grad_clip: float,
     device: torch.device,
-    step: int = 0,
+    step: int = 1,  # the step's number, from 1, for messages
     on_nonfinite: str = "abort",
     moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
@@ -115,8 +145,10 @@ def train_step(
     step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]
+    sharded = isinstance(model, FSDPModule)
     for index, mb in enumerate(microbatches):
-        set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
+        if sharded:
+            set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
         share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
         mb = mb.to(device)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
@@ -133,6 +165,8 @@ def train_step(
         loss.backward()
         mb_losses.append(mb_loss_sum.detach())
 
+    if not sharded:
+        reduce_replicated_gradients(model)
     ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
     aux_loss = aux if aux_coef else None
     loss = ce_sum / loss_tokens + aux_coef * aux

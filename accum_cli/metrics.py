@@ -53,12 +53,14 @@ class Reporter:
         start_step: int = 0,
         flops_per_token: float | None = None,
         world_size: int = 1,
+        log_every: int | None = None,
     ):
         peak = peak_flops(device)
         # MFU: achieved model FLOP/s over the peak of every GPU in the job (CUDA only).
         self.mfu_denominator = peak * world_size if peak and flops_per_token else None
         self.flops_per_token = flops_per_token
         self.enabled = enabled
+        self.log_every = log_every
         self.total_steps = total_steps
         self.start_step = start_step
         self.device = device
@@ -91,9 +93,10 @@ class Reporter:
             self._file.close()
 
     def step(self, step: int, result: StepResult, step_seconds: float, extra: dict | None = None) -> dict:
+        """Record optimizer step `step` (0-based index); records and lines number it from 1."""
         self.tokens_total += result.tokens
         record = {
-            "step": step,
+            "step": step + 1,  # optimizer steps completed: as the console, checkpoints and trackers say
             "loss": result.loss,
             "loss_tokens": result.loss_tokens,
             "tokens": result.tokens,
@@ -131,15 +134,17 @@ class Reporter:
         return record
 
     def _should_log(self, step: int) -> bool:
+        if self.log_every:
+            return (step + 1) % self.log_every == 0 or step + 1 == self.total_steps
         every = max(1, self.total_steps // 20)
         return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
 
 
-def keep_metrics_before(output_dir: Path, step: int) -> None:
-    """On resume: drop the records of steps after the checkpoint; they are about to be redone."""
+def keep_metrics_until(output_dir: Path, step: int) -> None:
+    """On resume from a checkpoint after `step` steps: drop the later records; they are about to be redone."""
     path = output_dir / "metrics.jsonl"
     if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in lines))
 
 

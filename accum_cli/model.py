@@ -325,6 +325,20 @@ def describe_sharding(model: nn.Module) -> str:
     return f"{len(units) + 1} FSDP units: {layers} + root holding {', '.join(root)}"
 
 
+def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, rt) -> nn.Module:
+    """The whole model on every rank (layout.py): every rank reads the same weights, or draws
+    the same ones from the seed, so the replicas start equal and stay equal."""
+    model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
+    if settings.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def describe_replicated(model: nn.Module) -> str:
+    n_params = sum(p.numel() for p in model.parameters())
+    return f"replicated: all {n_params:,} parameters on every rank, gradients summed once per step"
+
+
 def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:
     """The sharded model on every rank, its weights read once per rank or once in all."""
     if not (settings.rank0_loading and rt.world_size > 1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -15,13 +17,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accum_cli import checkpoint, data, optim, outdir, policy, prepare, runtime, sharding, sources
+from accum_cli import (
+    checkpoint,
+    data,
+    layout,
+    optim,
+    outdir,
+    policy,
+    prepare,
+    report,
+    runtime,
+    sharding,
+    sources,
+    tracking,
+)
 from accum_cli import model as modeling
 from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_before, print_lines
+from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, print_lines
 from accum_cli.plan import Plan
 from accum_cli.runtime import env_rank
 from accum_cli.sharding import ShardSettings
@@ -62,13 +77,19 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     bf16 = cfg.precision != "fp32"  # planning for a cluster: CUDA with bf16 unless told otherwise
     size = model_size(modeling.parameter_shapes(model_config, cfg.trust_remote_code), bf16)
     memory, where = _planning_memory(cfg)
-    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, bf16, size.n_params, memory)
+    decision = (
+        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+        if chosen_layout.layout == layout.REPLICATE
+        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    )
     print_lines(plan.describe(seq_len), "plan")
     print_lines(
         [
             *policy.describe(plan, size, memory, cfg.replicas),
             f"(device memory {where}; {'bf16' if bf16 else 'fp32'} compute)",
             f"chosen: {decision.policy} — {decision.reason}",
+            f"layout: {chosen_layout.layout} — {chosen_layout.reason}",
         ],
         f"sync policy ({cfg.sync})",
     )
@@ -100,6 +121,7 @@ class Setup:
     output_dir: Path
     resume: checkpoint.Meta | None
     data_id: str  # the prepared data and its order: a resume on other data is refused
+    layout: layout.Decision
     lock: outdir.RunLock | None  # rank 0's hold on the output dir (None elsewhere, or for --prepare-only)
 
 
@@ -107,6 +129,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     """The cheap checks that need no process group: run by the launcher wrapper before it
     starts any worker, and by every worker before any collective, so all ranks fail alike."""
     out = outdir.resolve(cfg.output_dir)
+    tracking.parse(cfg.report_to)  # a tracker that is not installed is refused before any work
     outdir.check(out, cfg.overwrite, resuming=resume is not None)
     if env_rank() == 0:
         outdir.probe(out)
@@ -182,7 +205,12 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         seq_len = longest
     size = model_size(shapes, settings.bf16)
     memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
-    decision = policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, settings.bf16, size.n_params, memory)
+    decision = (
+        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+        if chosen_layout.layout == layout.REPLICATE
+        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    )
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
         raise UserError(
@@ -199,7 +227,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=resume is not None)
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
-        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, lock,
+        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout, lock,
     )  # fmt: skip
 
 
@@ -271,10 +299,12 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
     s = setup(cfg, resume, prepare_only)
+    lr_given = cfg.lr is not None
+    cfg = with_default_lr(cfg, s.source.has_weights)
     try:
         if s.rt.is_main:
             print_lines(s.plan.describe(s.seq_len), "plan")
-            print_lines(describe_run(s, cfg, resume), "run")
+            print_lines(describe_run(s, cfg, resume, lr_given), "run")
         if prepare_only:
             return {"samples": s.stats.samples}
         return train(s, cfg)
@@ -283,7 +313,23 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             s.lock.release()
 
 
-def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
+PRETRAINED_LR = 2e-5  # full fine-tuning of pretrained LLM weights: 1e-3 would wreck them in a few steps
+FROM_SCRATCH_LR = 1e-3  # a small model trained from its config (the embedded default)
+
+
+def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
+    """--lr unset: a rate that fits the weights (pretrained or from scratch)."""
+    if cfg.lr is not None:
+        return cfg
+    return dataclasses.replace(cfg, lr=PRETRAINED_LR if pretrained else FROM_SCRATCH_LR)
+
+
+def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool) -> str:
+    origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
+    return f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"
+
+
+def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
     rt = s.rt
     mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
     tokenised = (
@@ -299,7 +345,9 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
         f"tokenisation      {tokenised}",
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
+        describe_lr(cfg, lr_given, s.source.has_weights),
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
+        f"layout            {s.layout.layout} ({s.layout.reason})",
         f"sharding          {s.settings.describe()}",
         f"sync policy       {s.decision.policy} ({s.decision.reason})",
         *(f"note              {note}" for note in s.settings.notes),
@@ -321,9 +369,14 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None) -> list[str]:
 def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
-    model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+    if s.layout.layout == layout.REPLICATE:
+        model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
+        wrapped = modeling.describe_replicated(model)
+    else:
+        model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
+        wrapped = modeling.describe_sharding(model)
     if rt.is_main:
-        print(f"  {'sharded':<18}{modeling.describe_sharding(model)}", flush=True)
+        print(f"  {'wrapped':<18}{wrapped}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
@@ -346,8 +399,12 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         if rt.is_main:
             print(f"checkpoint loaded in {seconds:.2f} s", flush=True)
 
+    trackers = None
     if rt.is_main:
-        _write_run_record(s, cfg, start_step)
+        hparams = _write_run_record(s, cfg, start_step)
+        names = tracking.parse(cfg.report_to)
+        if names:
+            trackers = tracking.Trackers(names, run_name(cfg), s.output_dir, hparams, resume_step=start_step)
     dist.barrier()
 
     record = {
@@ -363,6 +420,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         )  # fmt: skip
         if rt.is_main:
             print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
+            refresh_report(s.output_dir)
         return path
 
     per_token = flops_per_token(
@@ -371,8 +429,10 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         getattr(s.model_config, "hidden_size", 0),
         s.seq_len,
     )
-    reporter = Reporter(s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size)
-    with StopRequest() as stop, reporter:
+    reporter = Reporter(
+        s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size, cfg.log_every
+    )
+    with StopRequest() as stop, reporter, contextlib.closing(trackers or tracking.Trackers.none()) as trackers:
         samples = first_sample
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
@@ -381,13 +441,13 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                 for j in range(plan.accum_steps)
             ]
             result = train_step(
-                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step,
+                model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step + 1,
                 cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
             samples += plan.global_batch
             done = step + 1
             seconds = time.perf_counter() - started
-            reporter.step(step, result, seconds, evaluate(done))
+            trackers.log(reporter.step(step, result, seconds, evaluate(done)))
             if done < s.total_steps and stop.agreed(rt.device):  # the last step just finishes
                 path = save_checkpoint(done, samples)
                 waited = time.monotonic() - stop.received_at if stop.received_at else 0.0
@@ -415,6 +475,21 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     return summary
 
 
+def run_name(cfg: TrainConfig) -> str:
+    """--run-name, else the output dir's name: the same on every restart of the run."""
+    return cfg.run_name or Path(cfg.output_dir).expanduser().resolve().name
+
+
+def refresh_report(output_dir: Path) -> None:
+    """Rank 0: redraw report.png (loss, lr, grad norm, tokens/s, memory) when matplotlib is there."""
+    if not report.available():
+        return
+    try:
+        report.draw([output_dir], output_dir / report.REPORT)
+    except Exception as exc:  # a picture must never cost the run: say so and go on
+        print(f"note: report.png not drawn ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
+
+
 def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype) -> None:
     """Collective: the HF-format model in `dtype`; a failed write leaves the final checkpoint to export from."""
     error = None
@@ -430,11 +505,11 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
         )
 
 
-def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
+def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
     """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json."""
     out = s.output_dir
     if s.resume is not None:
-        keep_metrics_before(out, start_step)
+        keep_metrics_until(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         outdir.clear_previous_run(out)
     if not outdir.is_marked(out):
@@ -450,6 +525,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
             "world_size": s.plan.world_size,
             "accum_steps": s.plan.accum_steps,
             "rank_samples": [s.plan.rank_samples(r) for r in range(s.plan.world_size)],
+            "layout": s.layout.layout,
             "sync": s.decision.policy,
             "sync_reason": s.decision.reason,
             "total_steps": s.total_steps,
@@ -457,6 +533,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> None:
         "resumed_from": str(s.resume.path) if s.resume else None,
     }
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def _pad_id(s: Setup) -> int:

@@ -100,7 +100,7 @@ def test_resume_continues_the_same_training(root, uninterrupted, tmp_path, sourc
     out = tmp_path / "resumed"
     result = ok(run_cli(args(root, out, micro, 6, "--resume", str(source / "checkpoints/step-000002")), nproc=world))
     resumed = read_metrics(out)
-    assert [m["step"] for m in resumed] == [2, 3, 4, 5]
+    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
     exact = (source_world, 2 if source_world == 2 else 4) == (world, micro)
     assert_losses_match(resumed, read_metrics(source), 1e-6 if exact else 1e-5)
     if not exact:
@@ -108,6 +108,17 @@ def test_resume_continues_the_same_training(root, uninterrupted, tmp_path, sourc
     final, expected = load_file(out / "final/model.safetensors"), load_file(source / "final/model.safetensors")
     for name in final:
         assert rel_err(final[name], expected[name]) < 1e-5, name
+
+
+def test_resume_across_layouts_continues_the_same_training(root, uninterrupted, tmp_path):
+    """The reference runs replicate (the tiny state fits); resuming sharded must not notice."""
+    source = uninterrupted[2]
+    assert json.loads((source / "config.json").read_text())["plan"]["layout"] == "replicate"
+    out = tmp_path / "sharded"
+    resume = ("--resume", str(source / "checkpoints/step-000002"), "--layout", "shard", "--sync", "last")
+    result = ok(run_cli(args(root, out, 2, 6, *resume), nproc=2))
+    assert "layout            shard (as requested)" in result.stdout
+    assert_losses_match(read_metrics(out), read_metrics(source), 1e-5)
 
 
 def test_sigterm_stops_every_rank_at_a_step_boundary_and_resume_is_exact(root, tmp_path):
@@ -143,7 +154,7 @@ def test_sigterm_stops_every_rank_at_a_step_boundary_and_resume_is_exact(root, t
     if done >= 6:
         pytest.skip(f"the signal arrived after step {done}")
     ok(run_cli([*args(root, out, 2, 6, *constant), "--resume"], nproc=2))
-    assert [m["step"] for m in read_metrics(out)] == list(range(6))
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, 7))
     assert_losses_match(read_metrics(out), read_metrics(reference), 1e-6)
 
 
@@ -192,9 +203,9 @@ def test_nonfinite_abort_names_the_step_and_keeps_the_last_checkpoint(poisoned, 
     out = tmp_path / "run"
     result = run_cli(args(folder, out, 2, 4, "--checkpoint-every", "1"), nproc=2, wrapper=True)
     assert result.returncode == 3, result.stdout + result.stderr
-    assert f"non-finite values at step 1: non-finite loss in microbatch {micro} on rank {rank}" in result.stderr
+    assert f"non-finite values at step 2: non-finite loss in microbatch {micro} on rank {rank}" in result.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
-    assert [m["step"] for m in read_metrics(out)] == [0]
+    assert [m["step"] for m in read_metrics(out)] == [1]
 
 
 def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupted, tmp_path):

@@ -100,7 +100,7 @@ def references(workdir) -> dict:
 
 def assert_same_training(out: Path, ref: dict) -> None:
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m, loss, norm in zip(metrics, ref["loss"], ref["grad_norm"], strict=True):
         assert rel_err(m["loss"], loss) < TOL, (m["step"], m["loss"], loss)
         assert rel_err(m["grad_norm"], norm) < TOL, (m["step"], m["grad_norm"], norm)
@@ -110,20 +110,24 @@ def assert_same_training(out: Path, ref: dict) -> None:
 CASES = [
     # (model, world size, micro batch, sync, extra flags) -- G=13 makes every layout ragged;
     # W=2, m=2 gives rank 1 an empty last microbatch (7/6 samples: [2,2,2,1] and [2,2,2,0]).
-    ("model", 1, 1, "every", []),
-    ("model", 1, 3, "last", []),
-    ("model", 2, 2, "every", []),
-    ("model", 2, 2, "last", []),
-    ("model", 2, 3, "every", []),
-    ("model", 2, 3, "last", []),
-    ("model", 2, 3, "last-keep-params", []),
-    ("model", 2, 3, "last", ["--activation-checkpointing"]),
-    ("model", 4, 2, "hsdp-defer", ["--replicas", "2"]),  # HSDP 2 replicas x 2 shards
-    ("model", 4, 1, "every", ["--replicas", "2"]),
-    ("model-tied", 1, 3, "every", []),
-    ("model-tied", 2, 3, "last", []),
-    ("model-tied", 2, 2, "every", []),
-    ("model-tied", 4, 2, "hsdp-defer", ["--replicas", "2"]),
+    ("model", 1, 1, "every", ["--layout", "shard"]),
+    ("model", 1, 3, "last", ["--layout", "shard"]),
+    ("model", 2, 2, "every", ["--layout", "shard"]),
+    ("model", 2, 2, "last", ["--layout", "shard"]),
+    ("model", 2, 3, "every", ["--layout", "shard"]),
+    ("model", 2, 3, "last", ["--layout", "shard"]),
+    ("model", 2, 3, "last-keep-params", ["--layout", "shard"]),
+    ("model", 2, 3, "last", ["--activation-checkpointing", "--layout", "shard"]),
+    ("model", 4, 2, "hsdp-defer", ["--replicas", "2", "--layout", "shard"]),  # HSDP 2 replicas x 2 shards
+    ("model", 4, 1, "every", ["--replicas", "2", "--layout", "shard"]),
+    ("model-tied", 1, 3, "every", ["--layout", "shard"]),
+    ("model-tied", 2, 3, "last", ["--layout", "shard"]),
+    ("model-tied", 2, 2, "every", ["--layout", "shard"]),
+    ("model-tied", 4, 2, "hsdp-defer", ["--replicas", "2", "--layout", "shard"]),
+    # Replicated layout: whole state on every rank, gradients summed once per step.
+    ("model", 2, 3, "last", ["--layout", "replicate"]),
+    ("model-tied", 2, 2, "last", ["--layout", "replicate"]),
+    ("model", 2, 3, "last", ["--layout", "replicate", "--activation-checkpointing"]),
 ]
 
 

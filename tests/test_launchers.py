@@ -43,7 +43,7 @@ def single(setup, tmp_path_factory):
 
 def assert_same_run(out, expected) -> None:
     got, want = read_metrics(out), read_metrics(expected)
-    assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1, 2]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
     for g, w in zip(got, want, strict=True):
         assert g["loss_tokens"] == w["loss_tokens"]
         assert rel_err(g["loss"], w["loss"]) < TOL and rel_err(g["grad_norm"], w["grad_norm"]) < TOL
