@@ -45,7 +45,7 @@ PREP_VERSION = 2
 BATCH_ROWS = 1000  # rows per chunk at most
 BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
 PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
-WORKER_CHUNKS = 64  # chunks a worker process tokenises before a fresh one takes over
+WORKER_CHUNKS = 4  # chunks (of a few MB) a worker process tokenises before a fresh one takes over
 TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 

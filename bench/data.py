@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def measure(mode: str, corpus: str, num_proc: int, cache: str) -> dict:
     loaded_s = time.perf_counter() - started
     tokenizer = ByT5Tokenizer()
     before_rss = _rss_self()
+    sampler = RssSampler()
+    sampler.start()
     started = time.perf_counter()
     if mode == "plain":
         out = raw.map(lambda b: tokenizer(b["text"], add_special_tokens=False), batched=True, num_proc=num_proc,
@@ -77,12 +80,36 @@ def measure(mode: str, corpus: str, num_proc: int, cache: str) -> dict:
         _, stats, _ = prepare.prepare(*call)
         tokens = stats.tokens
     seconds = time.perf_counter() - started
+    sampler.stop.set()
+    sampler.join()
     stored = sum(p.stat().st_size for p in Path(cache).rglob("*") if p.is_file())
     return {"mode": mode, "load_s": loaded_s, "tokenise_s": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds, "rss_before_gib": before_rss, "peak_rss_gib": _rss_self(),
+            "tokenise_rss_gib": sampler.main_peak / 2**30, "tokenise_tree_rss_gib": sampler.tree_peak / 2**30,
             "peak_worker_rss_gib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
             "cache_bytes": stored, "bytes_per_token": stored / tokens,
             "cache_files": sorted({p.name for p in Path(cache).rglob("*") if p.is_file()})[:8]}  # fmt: skip
+
+
+class RssSampler(threading.Thread):
+    """Resident memory while tokenising, every 50 ms: this process, and it with its workers."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop = threading.Event()
+        self.main_peak = self.tree_peak = 0
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.stop.wait(0.05):
+            try:
+                main = me.memory_info().rss
+                tree = main + sum(child.memory_info().rss for child in me.children(recursive=True))
+            except psutil.Error:  # a worker ended between the listing and the reading
+                continue
+            self.main_peak, self.tree_peak = max(self.main_peak, main), max(self.tree_peak, tree)
 
 
 def _count(dataset) -> int:
@@ -156,8 +183,9 @@ def main() -> None:
             code = args.before if mode == "before" else REPO
             r = run_child(["--child", mode, str(corpus), str(args.num_proc), str(cache)], code)
             print(f"  {mode:7s} tokenise {r['tokenise_s']:7.1f} s  {r['tokens_per_s'] / 1e6:6.2f}M tokens/s  "
-                  f"peak RSS main {r['peak_rss_gib']:.2f} GiB (after loading {r['rss_before_gib']:.2f}), "
-                  f"largest worker {r['peak_worker_rss_gib']:.2f} GiB  cache {r['bytes_per_token']:.2f} B/token "
+                  f"RSS while tokenising: main {r['tokenise_rss_gib']:.2f} GiB, with workers "
+                  f"{r['tokenise_tree_rss_gib']:.2f} GiB; peak main {r['peak_rss_gib']:.2f} (after loading "
+                  f"{r['rss_before_gib']:.2f}), largest worker {r['peak_worker_rss_gib']:.2f} GiB  cache {r['bytes_per_token']:.2f} B/token "
                   f"{r['cache_files']}", flush=True)  # fmt: skip
             if mode == "accum":
                 read = run_child(["--read", str(cache), str(args.global_batch)], REPO)
