@@ -151,7 +151,11 @@ MUTANTS = [
     Mutant("checkpoint: the schedule restarts on resume", "accum_cli/checkpoint.py",
            "    scheduler.load_state_dict(meta.scheduler)\n", "", (CK, "-k", "resume_continues")),
     Mutant("checkpoint: export writes the initial weights", "accum_cli/checkpoint.py",
-           '    model.load_state_dict(state["model"])\n', "", (CK, "-k", "export")),
+           "    dcp.load(state, checkpoint_id=str(meta.path), no_dist=True)\n", "", (CK, "-k", "export")),
+    Mutant("checkpoint: export skips load_state_dict", "accum_cli/checkpoint.py",
+           '    model.load_state_dict(state["model"])\n', "", (CK, "-k", "export"),
+           equivalent="dcp.load fills the tensors of model.state_dict() in place, and those share the "
+           "parameters' storage, so the load_state_dict after it copies each tensor onto itself"),
     Mutant("checkpoint: RNG state not restored", "accum_cli/checkpoint.py",
            '        torch.set_rng_state(rng["cpu"])\n', "        pass\n", (CK, "-k", "resume_continues"),
            equivalent="nothing in training draws random numbers after setup (no dropout in the "
@@ -260,7 +264,7 @@ def run(mutant: Mutant, tests_from: str | None) -> tuple[str, float]:
         return "SURVIVED", seconds
     if result.returncode in (4, 5):  # no tests selected, or the selection does not exist
         return "SURVIVED (no such tests)", seconds
-    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED tests/", "ERROR tests/"))]
     return f"KILLED by {failed[0] if failed else 'exit code ' + str(result.returncode)}", seconds
 
 
