@@ -56,6 +56,19 @@ def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
         model.set_requires_all_reduce(is_last)
 
 
+def microbatch_backward(
+    model: nn.Module, mb: Microbatch, sync: str, is_last: bool, loss_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """One microbatch's forward and backward under the sync policy; its loss sum, detached.
+    The memory estimate (estimate.py) runs this same code on a fake model."""
+    set_sync_flags(model, sync, is_last)
+    mb = mb.to(device)
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    mb_loss_sum = token_loss_sum(logits, mb.labels)
+    (mb_loss_sum / loss_tokens).backward()
+    return mb_loss_sum.detach()
+
+
 def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int]:
     local = [sum(mb.loss_tokens for mb in microbatches), sum(mb.tokens for mb in microbatches)]
     counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
@@ -91,14 +104,10 @@ def train_step(
     if loss_tokens == 0:
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
-    mb_losses = []  # kept on the device: no host sync per microbatch
-    for index, mb in enumerate(microbatches):
-        set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
-        mb = mb.to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        mb_loss_sum = token_loss_sum(logits, mb.labels)
-        (mb_loss_sum / loss_tokens).backward()
-        mb_losses.append(mb_loss_sum.detach())
+    mb_losses = [  # kept on the device: no host sync per microbatch
+        microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+        for index, mb in enumerate(microbatches)
+    ]
 
     loss = all_reduce_sum(torch.stack(mb_losses).sum()).item() / loss_tokens
     max_norm = grad_clip if grad_clip > 0 else math.inf
