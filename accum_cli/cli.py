@@ -118,7 +118,12 @@ def main(
     global_batch: Annotated[
         Optional[int], Opt(help="Sequences per optimizer step, over all ranks.  [default: 64]")
     ] = None,
-    micro_batch: Annotated[Optional[int], Opt(help="Sequences per forward/backward on one rank.  [default: 8]")] = None,
+    micro_batch: Annotated[
+        Optional[str],
+        Opt(
+            help="Sequences per forward/backward on one rank, or auto: the most that fit (memory estimate).  [default: 8]"
+        ),
+    ] = None,
     strict_batch: Annotated[
         Optional[bool],
         Opt(

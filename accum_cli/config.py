@@ -49,8 +49,8 @@ class TrainConfig:
     """Tokens per sequence. None: 128 on the embedded corpus, else min(2048, model maximum)."""
     global_batch: int = 64
     """Sequences per optimizer step, summed over ranks and microbatches."""
-    micro_batch: int = 8
-    """Sequences per forward/backward on one rank."""
+    micro_batch: int | str = 8
+    """Sequences per forward/backward on one rank, or "auto": the largest that the memory estimate fits."""
     strict_batch: bool = False
     """Refuse a global batch that is not a multiple of micro_batch x world size."""
     max_steps: int | None = None
@@ -107,7 +107,15 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
         problems: list[str] = []
+        if isinstance(self.micro_batch, str) and self.micro_batch != "auto":
+            if self.micro_batch.strip().isdigit():
+                self.micro_batch = int(self.micro_batch)  # from the command line, where auto is also allowed
+            else:
+                problems.append(f"--micro-batch must be a positive integer or auto, got {self.micro_batch!r}")
+                self.micro_batch = 1
         for name in ("global_batch", "micro_batch", "warmup_steps", "seed", "replicas"):
+            if name == "micro_batch" and self.micro_batch == "auto":
+                continue
             minimum = 0 if name in ("warmup_steps", "seed") else 1
             if getattr(self, name) < minimum:
                 problems.append(f"--{_flag(name)} must be >= {minimum}, got {getattr(self, name)}")

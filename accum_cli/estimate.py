@@ -162,36 +162,34 @@ def breakdown_of(snapshot: dict) -> dict:
     return result
 
 
-def tracked_steps(model, optimizer, microbatches, sync: str, loss_tokens: int, device, steps: int = 2):
-    """Run `steps` training steps under FSDPMemTracker; the peak of the last step, by kind.
+def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, device) -> tuple[int, dict]:
+    """One training step under FSDPMemTracker: its peak bytes per rank, and the breakdown at it.
 
-    The run's own pieces: `loop.microbatch_backward` per microbatch, clipping, AdamW. The
-    tracker watches only the last step, entered once AdamW's moments exist, so the reported peak
-    is the steady state; its per-module statistics are reset between microbatches (it refuses a
-    second forward of a module in one iteration otherwise)."""
+    The run's own pieces: `loop.microbatch_backward` per microbatch, clipping, AdamW. AdamW's
+    moments are created first (zero gradients, one step: no forward needed), so the peak is the
+    steady state's. The tracker's per-module statistics are reset between microbatches (it
+    refuses a second forward of a module in one iteration otherwise)."""
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from accum_cli.loop import microbatch_backward
 
-    def one_step(tracker=None) -> None:
-        for index, mb in enumerate(microbatches):
-            microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
-            if tracker is not None:
-                tracker.reset_mod_stats()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    if not optimizer.state:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(steps - 1):
-        one_step()
     tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
     tracker.track_inputs(tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels)))
     with tracker:
-        one_step(tracker)
+        for index, mb in enumerate(microbatches):
+            microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+            tracker.reset_mod_stats()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     snapshot = tracker.get_tracker_snapshot("peak")
-    per_device = {dev: snap for dev, snap in snapshot.items() if snap.get("Total", 0)}
-    dev, snap = max(per_device.items(), key=lambda item: item[1].get("Total", 0))
+    snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
     return int(snap["Total"]), breakdown_of(snap)
 
 
@@ -211,10 +209,15 @@ def fake_microbatches(vocab_size: int, micro_batch: int, seq_len: int, accum_ste
     ]
 
 
-def _measure_one(query: Query) -> Estimate:
+def _build_key(query: Query) -> str:
+    """Queries that differ only in sync policy and micro batch share one fake model."""
+    return json.dumps([asdict(query) | {"sync": None, "micro_batch": None}], sort_keys=True)
+
+
+def _fake_model(query: Query):
+    """The model from its config in FakeTensorMode, sharded by the run's shard() on a fake world."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from accum_cli import model as modeling
@@ -223,12 +226,9 @@ def _measure_one(query: Query) -> Estimate:
     from accum_cli.runtime import Runtime
     from accum_cli.sharding import ShardSettings
 
-    started = time.perf_counter()
-    if dist.is_initialized() and dist.get_world_size() != query.world_size:
+    if dist.is_initialized():
         dist.destroy_process_group()
-    if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=query.world_size, store=fake_store())
-    device = torch.device("cpu")
+    dist.init_process_group("fake", rank=0, world_size=query.world_size, store=fake_store())
     config_dict = dict(query.model_config)
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config.use_cache = False
@@ -237,29 +237,62 @@ def _measure_one(query: Query) -> Estimate:
         reshard_after_forward=query.reshard_after_forward,
         activation_checkpointing=query.activation_checkpointing,
     )
-    rt = Runtime(0, 0, query.world_size, query.world_size, device)
+    rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
     mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_mode():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         model.train()
         modeling.shard(model, mesh, settings)
         optimizer, _ = optim.build(model, TrainConfig(), total_steps=1)
-        microbatches = fake_microbatches(config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device)
-        loss_tokens = query.micro_batch * query.seq_len * query.accum_steps * query.world_size
-        peak, breakdown = tracked_steps(model, optimizer, microbatches, query.sync, loss_tokens, device)
-    return Estimate(peak, breakdown, time.perf_counter() - started)
+    return model, optimizer, config
+
+
+_FAKE_MODE = None
+
+
+def _fake_mode():
+    global _FAKE_MODE
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if _FAKE_MODE is None:
+        _FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
+    return _FAKE_MODE
+
+
+def measure_all(queries: list[Query]) -> list[Estimate]:
+    import torch
+
+    device = torch.device("cpu")
+    built: tuple[str, object, object, object] | None = None
+    results = []
+    for query in queries:
+        started = time.perf_counter()
+        if built is None or built[0] != _build_key(query):
+            built = None  # free the previous fake model first
+            built = (_build_key(query), *_fake_model(query))
+        _, model, optimizer, config = built
+        with _fake_mode():
+            microbatches = fake_microbatches(
+                config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device
+            )
+            loss_tokens = query.micro_batch * query.seq_len * query.accum_steps * query.world_size
+            peak, breakdown = tracked_step(model, optimizer, microbatches, query.sync, loss_tokens, device)
+        results.append(Estimate(peak, breakdown, time.perf_counter() - started))
+    return results
 
 
 def main() -> None:
     queries = [Query(**row) for row in json.loads(sys.stdin.read())]
-    rows = []
-    for query in queries:
-        try:
-            result = _measure_one(query)
-        except Exception as exc:  # reported in one line by the parent
-            print(f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
-            raise SystemExit(1) from None
-        rows.append({"peak": result.peak, "breakdown": result.breakdown, "seconds": result.seconds})
+    # Sharing a fake model needs the queries that share it next to each other.
+    order = sorted(range(len(queries)), key=lambda i: _build_key(queries[i]))
+    try:
+        measured = measure_all([queries[i] for i in order])
+    except Exception as exc:  # reported in one line by the parent
+        print(f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    rows: list[dict] = [{}] * len(queries)
+    for i, result in zip(order, measured, strict=True):
+        rows[i] = {"peak": result.peak, "breakdown": result.breakdown, "seconds": result.seconds}
     print(json.dumps(rows))
 
 

@@ -37,7 +37,7 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
     from accum_cli import model as modeling
     from accum_cli import optim
     from accum_cli.config import TrainConfig
-    from accum_cli.estimate import fake_microbatches, tracked_steps
+    from accum_cli.estimate import fake_microbatches, tracked_step
     from accum_cli.sharding import ShardSettings
 
     source = modeling.resolve_source(args.model)
@@ -53,7 +53,7 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    peak, breakdown = tracked_steps(model, optimizer, microbatches, sync, loss_tokens, rt.device)
+    peak, breakdown = tracked_step(model, optimizer, microbatches, sync, loss_tokens, rt.device)
     cuda_peak = torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else 0
     peaks = torch.tensor([peak, cuda_peak], dtype=torch.int64, device=rt.device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)

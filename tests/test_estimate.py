@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import BIN, REPO, env, free_port
+from typer.testing import CliRunner
 
-from accum_cli import estimate
+from accum_cli import estimate, fit
+from accum_cli.cli import app
 from accum_cli.model import EMBEDDED_MODEL_DIR
 
 SEQ_LEN = 128
@@ -20,6 +23,10 @@ TOLERANCE = 0.15
 def query(model_dir: Path, sync: str, micro_batch: int, world_size: int = 2) -> estimate.Query:
     config = json.loads((model_dir / "config.json").read_text())
     return estimate.Query(config, world_size, 1, micro_batch, SEQ_LEN, sync, bf16=False, activation_checkpointing=False)
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(app, args, catch_exceptions=False)
 
 
 def measured(model_dir: Path) -> dict[tuple[str, int], int]:
@@ -79,3 +86,47 @@ def test_estimate_runs_in_a_child_and_leaves_this_process_alone(cache):
 
     estimate.estimate([query(EMBEDDED_MODEL_DIR, "last", 3)])
     assert not dist.is_initialized(), "the fake process group leaked into the caller"
+
+
+def plan_args(micro_batch: str, budget_bytes: float, *extra: str) -> list[str]:
+    gib = f"{budget_bytes / fit.BUDGET_SHARE / 2**30:.6f}"
+    return ["--plan", "--global-batch", "64", "--micro-batch", micro_batch, "--world-size", "2", "--precision", "fp32",
+            "--device-memory-gib", gib, *extra]  # fmt: skip
+
+
+def peaks(sync: str, micro_batches) -> list[int]:
+    return [e.peak for e in estimate.estimate([query(EMBEDDED_MODEL_DIR, sync, m) for m in micro_batches])]
+
+
+def test_auto_policy_is_the_least_communication_that_fits(cache):
+    every, last, keep = (peaks(sync, [4])[0] for sync in ("every", "last", "last-keep-params"))
+    assert every < last <= keep
+    tight = invoke(plan_args("4", (every + last) / 2))
+    assert tight.exit_code == 0, tight.output
+    assert "chosen: every" in tight.output and "every fits" in tight.output
+    roomy = invoke(plan_args("4", keep * 1.01))
+    assert "chosen: last-keep-params" in roomy.output, roomy.output
+
+
+def test_auto_micro_batch_is_the_largest_that_fits(cache):
+    by_m = peaks("every", range(1, 7))
+    budget = (by_m[3] + by_m[4]) / 2  # m = 4 fits, m = 5 does not
+    result = invoke(plan_args("auto", budget, "--sync", "every"))
+    assert result.exit_code == 0, result.output
+    assert "micro batch       4 sequences per forward/backward" in result.output
+    assert "micro batch       4 (largest that fits" in result.output
+
+
+def test_a_budget_too_small_for_one_sequence_is_refused_in_one_line(cache):
+    one = peaks("every", [1])[0]
+    result = subprocess.run(
+        [sys.executable, "-m", "accum_cli", *plan_args("auto", one * 0.9)],
+        cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(cache)), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.count("\n") == 0 and line.startswith("accum-train: error: ") and "Traceback" not in line
+    smallest = float(line.split("the smallest device memory that works is ")[1].split(" MiB")[0])
+    assert abs(smallest * 2**20 - one / fit.BUDGET_SHARE) < 0.2 * 2**20
+    for hint in ("more ranks", "--activation-checkpointing", "--sync every"):
+        assert hint in line
