@@ -43,8 +43,15 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
     source = modeling.resolve_source(args.model)
     config = modeling.load_config(source, trust_remote_code=False)
     settings = ShardSettings(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
-    model = modeling.load_model(source, config, False, seed=0)
-    model.to(rt.device)
+    if rt.device.type == "cuda":  # initialised on the GPU: a 1B model's CPU init would take minutes
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device(rt.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+    else:
+        model = modeling.load_model(source, config, False, seed=0)
     modeling.shard(model, rt.mesh(1), settings)
     optimizer, _ = optim.build(model, TrainConfig(), total_steps=2)
     torch.manual_seed(rt.rank)

@@ -130,3 +130,13 @@ def test_a_budget_too_small_for_one_sequence_is_refused_in_one_line(cache):
     assert abs(smallest * 2**20 - one / fit.BUDGET_SHARE) < 0.2 * 2**20
     for hint in ("more ranks", "--activation-checkpointing", "--sync every"):
         assert hint in line
+
+
+def test_gpu_check_imports_and_parses_its_arguments():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--micro-batch", "1", "4", "--sync", "last"])
+    assert (args.micro_batch, args.sync, args.seq_len) == ([1, 4], ["last"], 2048)
