@@ -79,7 +79,7 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
         reshard_after_forward=cfg.reshard_after_forward is not False,
         activation_checkpointing=bool(cfg.activation_checkpointing),
     )
-    budget = _planning_budget(cfg)
+    budget = budget_for(cfg)
     target = fit_target(cfg, model_config, seq_len, world_size, settings)
     result = fit.fit(target, cfg.micro_batch, cfg.sync, budget, show_all=True)
     plan = Plan(cfg.global_batch, result.micro_batch, world_size)
@@ -96,10 +96,15 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     )
 
 
-def _planning_budget(cfg: TrainConfig) -> fit.Budget:
+def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budget:
+    """--device-memory-gib, else this rank's device (a run) or this machine's free RAM (--plan)."""
     if cfg.device_memory_gib is not None:
         return fit.Budget(int(cfg.device_memory_gib * 2**30), "from --device-memory-gib")
-    return fit.Budget(runtime.available_ram_bytes(), "this machine's free RAM; set --device-memory-gib for the target")
+    if rt is None:
+        return fit.Budget(
+            runtime.available_ram_bytes(), "this machine's free RAM; set --device-memory-gib for the target"
+        )
+    return fit.Budget(runtime.device_memory_bytes(rt), f"{rt.device.type} memory per local rank")
 
 
 def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings):
@@ -111,17 +116,18 @@ def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, se
             return plan, "as requested", policy.choose(cfg.sync, plan, {}, 0, cfg.replicas)
     answer = ""
     if rt.is_main:
-        if cfg.device_memory_gib:
-            budget = fit.Budget(int(cfg.device_memory_gib * 2**30), "from --device-memory-gib")
-        else:
-            budget = fit.Budget(runtime.device_memory_bytes(rt), f"{rt.device.type} memory per local rank")
+        budget = budget_for(cfg, rt)
         try:
             result = fit.fit(fit_target(cfg, model_config, seq_len, rt.world_size, settings), cfg.micro_batch,
                              cfg.sync, budget)  # fmt: skip
             answer = json.dumps([result.micro_batch, result.micro_reason, result.decision.policy,
                                  result.decision.reason])  # fmt: skip
         except UserError as exc:
-            answer = json.dumps({"error": str(exc)})
+            if cfg.micro_batch == fit.AUTO:
+                answer = json.dumps({"error": str(exc)})
+            else:  # a fixed micro batch can still train: with the policy that holds the least
+                lean = fit.candidates(cfg.replicas)[-1]
+                answer = json.dumps([cfg.micro_batch, "as requested", lean, f"no estimate, so the leanest: {exc}"])
     answer = json.loads(runtime.broadcast_text(answer, rt.device))
     if isinstance(answer, dict):
         raise UserError(answer["error"])  # printed by rank 0 alone
