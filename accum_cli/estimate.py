@@ -214,7 +214,7 @@ def _build_key(query: Query) -> str:
     return json.dumps([asdict(query) | {"sync": None, "micro_batch": None}], sort_keys=True)
 
 
-def _fake_model(query: Query):
+def _fake_model(query: Query, fake_mode):
     """The model from its config in FakeTensorMode, sharded by the run's shard() on a fake world."""
     import torch
     import torch.distributed as dist
@@ -239,7 +239,7 @@ def _fake_model(query: Query):
     )
     rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
     mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
-    with _fake_mode():
+    with fake_mode:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         model.train()
         modeling.shard(model, mesh, settings)
@@ -247,20 +247,12 @@ def _fake_model(query: Query):
     return model, optimizer, config
 
 
-_FAKE_MODE = None
-
-
-def _fake_mode():
-    global _FAKE_MODE
+def measure_all(queries: list[Query]) -> list[Estimate]:
+    """In this process (the child): each query's peak, one fake model per group of queries."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if _FAKE_MODE is None:
-        _FAKE_MODE = FakeTensorMode(allow_non_fake_inputs=True)
-    return _FAKE_MODE
-
-
-def measure_all(queries: list[Query]) -> list[Estimate]:
-    import torch
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the model and its inputs must share it
 
     device = torch.device("cpu")
     built: tuple[str, object, object, object] | None = None
@@ -269,9 +261,9 @@ def measure_all(queries: list[Query]) -> list[Estimate]:
         started = time.perf_counter()
         if built is None or built[0] != _build_key(query):
             built = None  # free the previous fake model first
-            built = (_build_key(query), *_fake_model(query))
+            built = (_build_key(query), *_fake_model(query, fake_mode))
         _, model, optimizer, config = built
-        with _fake_mode():
+        with fake_mode:
             microbatches = fake_microbatches(
                 config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device
             )
