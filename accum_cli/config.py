@@ -108,7 +108,7 @@ class TrainConfig:
         """Collect every problem, then raise once naming them all."""
         problems: list[str] = []
         if isinstance(self.micro_batch, str) and self.micro_batch != "auto":
-            if self.micro_batch.strip().isdigit():
+            if self.micro_batch.strip().lstrip("-").isdigit():
                 self.micro_batch = int(self.micro_batch)  # from the command line, where auto is also allowed
             else:
                 problems.append(f"--micro-batch must be a positive integer or auto, got {self.micro_batch!r}")
