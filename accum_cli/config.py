@@ -98,7 +98,8 @@ class TrainConfig:
                                  ge=2)  # fmt: skip
     # Batch
     global_batch: int = option(64, "Sequences per optimizer step, over all ranks and microbatches.", BATCH, ge=1)
-    micro_batch: int = option(8, "Sequences per forward/backward on one rank.", BATCH, ge=1)
+    micro_batch: str | int = option(8, "Sequences per forward/backward on one rank, or auto: the most that fit "
+                                    "(from the memory estimate).", BATCH, ge=1)  # fmt: skip
     strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
                                 BATCH)  # fmt: skip
     max_steps: int | None = option(None, "Optimizer steps.", BATCH, none_means="--epochs passes over the data", ge=1)
@@ -171,7 +172,12 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
+        if isinstance(self.micro_batch, str) and self.micro_batch != "auto":  # a flag's text: a number or auto
+            text = self.micro_batch.strip()
+            self.micro_batch = int(text) if text.lstrip("-").isdigit() else self.micro_batch
         problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
+        if isinstance(self.micro_batch, str) and self.micro_batch != "auto":
+            problems.append(f"--micro-batch must be a positive integer or auto, got {recipe.quote(self.micro_batch)}")
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:

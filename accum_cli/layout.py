@@ -39,7 +39,15 @@ def replicated_state_bytes(n_params: int) -> int:
     return n_params * REPLICATED_STATE_BYTES_PER_PARAM
 
 
-def choose(requested: str, sync: str, replicas: int, bf16: bool, n_params: int, device_memory_bytes: int) -> Decision:
+def choose(
+    requested: str,
+    sync: str,
+    replicas: int,
+    bf16: bool,
+    n_params: int,
+    device_memory_bytes: int,
+    micro_batch_auto: bool = False,
+) -> Decision:
     """Resolve --layout. Refuses, in one line, a replicated layout that cannot be honoured."""
     if requested not in LAYOUTS:
         raise UserError(f"--layout {requested!r} is unknown; use one of: {', '.join(LAYOUTS)}")
@@ -53,6 +61,8 @@ def choose(requested: str, sync: str, replicas: int, bf16: bool, n_params: int, 
         blockers.append(f"--sync {sync} reduces more than once per step, to save memory only sharding has")
     if bf16:
         blockers.append("bf16 mixed precision is applied by FSDP2's policy")
+    if micro_batch_auto:
+        blockers.append("--micro-batch auto picks from the memory estimate of the sharded layout")
     if requested == REPLICATE:
         if blockers:
             raise UserError(f"--layout replicate cannot be used: {blockers[0]}; use --layout shard")

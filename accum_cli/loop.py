@@ -88,6 +88,46 @@ def reduce_replicated_gradients(model: nn.Module) -> None:
             bucket, filled = [], 0
 
 
+@dataclass(frozen=True, slots=True)
+class RouterLoss:
+    """A mixture of experts' balancing loss, as the model's config asks (moe.py)."""
+
+    coef: float
+    config: object
+    exact: bool
+    step_choices: object  # the step's expert choices (exact), counted before the first backward
+
+
+def microbatch_backward(
+    model: nn.Module,
+    mb: Microbatch,
+    sync: str,
+    is_last: bool,
+    loss_tokens: int,
+    device: torch.device,
+    share: float = 0.0,
+    router: RouterLoss | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One microbatch's forward and backward under the sync policy: its loss sum and its router
+    term, detached. The memory estimate (estimate.py) runs this same code on a fake model."""
+    if isinstance(model, FSDPModule):  # a replicated model reduces once, after the last microbatch
+        set_sync_flags(model, sync, is_last)
+    mb = mb.to(device)
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+    mb_loss_sum = token_loss_sum(out.logits, mb.labels)
+    loss = mb_loss_sum / loss_tokens
+    aux = None
+    if router is not None and not mb.empty:
+        aux = (
+            balancing_term(out, router.config, mb.attention_mask, router.step_choices)
+            if router.exact
+            else out.aux_loss.float() * share
+        )
+        loss = loss + router.coef * aux
+    loss.backward()
+    return mb_loss_sum.detach(), (aux.detach() if aux is not None else None)
+
+
 def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int]:
     local = [sum(mb.loss_tokens for mb in microbatches), sum(mb.tokens for mb in microbatches)]
     counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
@@ -141,31 +181,19 @@ def train_step(
     aux_coef = moe.aux_loss_coef(config)
     # Exact balancing loss: the step's expert choices first, unless the step is one microbatch in all.
     one_microbatch = len(microbatches) == 1 and dist.get_world_size() == 1
-    exact_aux = aux_coef and moe_aux_loss == moe.EXACT
+    exact_aux = bool(aux_coef) and moe_aux_loss == moe.EXACT
     step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
+    router = RouterLoss(aux_coef, config, exact_aux, step_choices) if aux_coef else None
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]
-    sharded = isinstance(model, FSDPModule)
     for index, mb in enumerate(microbatches):
-        if sharded:
-            set_sync_flags(model, sync, is_last=index == len(microbatches) - 1)
+        is_last = index == len(microbatches) - 1
         share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
-        mb = mb.to(device)
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        mb_loss_sum = token_loss_sum(out.logits, mb.labels)
-        loss = mb_loss_sum / loss_tokens
-        if aux_coef and not mb.empty:
-            aux = (
-                balancing_term(out, config, mb.attention_mask, step_choices)
-                if exact_aux
-                else out.aux_loss.float() * share
-            )
-            loss = loss + aux_coef * aux
-            mb_aux.append(aux.detach())
-        loss.backward()
-        mb_losses.append(mb_loss_sum.detach())
-
-    if not sharded:
+        mb_loss, aux = microbatch_backward(model, mb, sync, is_last, loss_tokens, device, share, router)
+        mb_losses.append(mb_loss)
+        if aux is not None:
+            mb_aux.append(aux)
+    if not isinstance(model, FSDPModule):
         reduce_replicated_gradients(model)
     ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
     aux_loss = aux if aux_coef else None

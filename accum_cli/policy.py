@@ -1,14 +1,14 @@
 """Sync policies: when gradients are reduced across ranks during a step's microbatches.
 
-Pure Python, no torch. `choose` resolves `auto` from the plan and the model size; the
-memory figures are per rank, in bytes, from a simple model of FSDP2 with AdamW:
+Pure Python, no torch. `choose` resolves `auto` from estimated peaks per rank (estimate.py,
+measured by PyTorch's FSDPMemTracker on the user's model): the policy with the least
+communication whose peak fits the budget. What each policy costs:
 
-- sharded training state: fp32 master params, fp32 grads and two Adam moments = 16 B/param / W
-- `last` also holds the whole model's unsharded gradients between microbatches
-- `last-keep-params` also holds the unsharded parameters between microbatches
-- with HSDP (`replicas` > 1) the state is sharded over world_size / replicas ranks only;
-  `hsdp-defer` reduce-scatters inside a replica every microbatch and all-reduces across
-  replicas once per step, so it holds no more than `every`
+- `every` reduce-scatters after every microbatch: only sharded gradients are kept
+- `last` holds the whole model's unsharded gradients between microbatches, reduces once
+- `last-keep-params` also keeps the parameters gathered between microbatches
+- `hsdp-defer` (2-D mesh) reduce-scatters inside a replica every microbatch and all-reduces
+  across replicas once per step, so it holds no more than `every`
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ HSDP_DEFER = "hsdp-defer"
 AUTO = "auto"
 POLICIES = (AUTO, EVERY, LAST, LAST_KEEP_PARAMS, HSDP_DEFER)
 
-# `last` is chosen only when its extra memory fits in this share of what is left on the
-# device after the sharded state: activations and allocator slack need the rest.
-COMFORT_SHARE = 0.25
-
-SHARDED_STATE_BYTES_PER_PARAM = 16
-
 
 @dataclass(frozen=True, slots=True)
 class ModelSize:
@@ -42,19 +36,6 @@ class ModelSize:
 class Decision:
     policy: str
     reason: str
-
-
-def sharded_state_bytes(size: ModelSize, world_size: int) -> int:
-    return -(-size.n_params * SHARDED_STATE_BYTES_PER_PARAM // world_size)
-
-
-def extra_bytes(policy: str, size: ModelSize) -> int:
-    """Memory a policy holds between microbatches on top of the sharded state."""
-    if policy == LAST:
-        return size.n_params * size.compute_bytes
-    if policy == LAST_KEEP_PARAMS:
-        return 2 * size.n_params * size.compute_bytes
-    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +94,11 @@ def validate(policy: str) -> str:
     return policy
 
 
-def choose(requested: str, plan: Plan, size: ModelSize, device_memory_bytes: int, replicas: int = 1) -> Decision:
-    """Resolve the requested policy; `auto` picks `last` when its extra memory fits comfortably,
-    else the lean policy: `hsdp-defer` on a 2-D mesh, `every` otherwise."""
+def choose(requested: str, plan: Plan, peaks: dict[str, int], budget: int, replicas: int = 1) -> Decision:
+    """Resolve the requested policy; `auto` takes the first of `peaks` (least communication
+    first) whose estimated peak per rank fits the budget, else the one with the smallest peak."""
     validate(requested)
-    shards = shard_size(plan, replicas)
+    shard_size(plan, replicas)
     if requested == HSDP_DEFER and replicas < 2:
         raise UserError("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
     if requested != AUTO:
@@ -125,42 +106,17 @@ def choose(requested: str, plan: Plan, size: ModelSize, device_memory_bytes: int
     if plan.world_size == 1 or plan.accum_steps == 1:
         why = "one rank" if plan.world_size == 1 else "one microbatch per step"
         return Decision(LAST, f"{why}: nothing to defer, so no extra memory and no extra traffic")
-    left = device_memory_bytes - sharded_state_bytes(size, shards)
-    need = extra_bytes(LAST, size)
-    budget = int(max(left, 0) * COMFORT_SHARE)
-    numbers = (
-        f"unsharded grads {_gib(need)} vs {COMFORT_SHARE:.0%} of the {_gib(max(left, 0))} left "
-        f"after the sharded state = {_gib(budget)}"
+    numbers = ", ".join(f"{name} {_gib(peak)}" for name, peak in peaks.items())
+    for name, peak in peaks.items():
+        if peak <= budget:
+            return Decision(name, f"estimated peak per rank {numbers} vs budget {_gib(budget)}: {name} fits")
+    leanest = min(peaks, key=peaks.get)
+    return Decision(
+        leanest,
+        f"estimated peak per rank {numbers} vs budget {_gib(budget)}: none fits, {leanest} needs the least "
+        "(expect out-of-memory: lower --micro-batch or use --micro-batch auto)",
     )
-    if need <= budget:
-        return Decision(LAST, f"{numbers}: fits, so reduce once per step")
-    if replicas > 1:
-        return Decision(
-            HSDP_DEFER, f"{numbers}: too tight, so reduce-scatter in a replica every microbatch, all-reduce once"
-        )
-    return Decision(EVERY, f"{numbers}: too tight, so reduce-scatter every microbatch")
-
-
-def describe(plan: Plan, size: ModelSize, device_memory_bytes: int, replicas: int = 1) -> list[str]:
-    """The sync-policy table with this model's numbers (per rank)."""
-    shards = shard_size(plan, replicas)
-    state = sharded_state_bytes(size, shards)
-    mesh = f"{replicas} replicas x {shards} shards" if replicas > 1 else f"{shards} ranks"
-    lines = [
-        f"model             {size.n_params:,} parameters, {size.compute_bytes} B each in compute",
-        f"sharded state     {_gib(state)} per rank (params, grads, AdamW moments over {mesh})",
-        f"device memory     {_gib(device_memory_bytes)} per rank",
-    ]
-    for policy in (EVERY, LAST, LAST_KEEP_PARAMS, HSDP_DEFER):
-        if policy == HSDP_DEFER and replicas < 2:
-            continue
-        extra = extra_bytes(policy, size)
-        lines.append(
-            f"  {policy:<17} +{_gib(extra):>10} held between microbatches; "
-            f"{collectives_per_step(policy, plan.accum_steps, replicas)} per decoder layer per step"
-        )
-    return lines
 
 
 def _gib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.3f} GiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.1f} GiB"
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.2f} GiB"

@@ -102,6 +102,17 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def broadcast_text(text: str, device: torch.device) -> str:
+    """Collective: rank 0's text on every rank (JSON, never pickle)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).decode()
+
+
 PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
                    "NCCL communicator was aborted", "ProcessGroupNCCL", "gloo")  # fmt: skip
 EXIT_PEER_LOST = 76  # another rank died mid-run; the last checkpoint is intact

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from accum_cli import (
     checkpoint,
     data,
+    fit,
     layout,
     optim,
     outdir,
@@ -66,39 +67,98 @@ def model_size(shapes: dict[str, tuple[int, ...]], bf16: bool) -> policy.ModelSi
     return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
 
 
-def plan_only(cfg: TrainConfig, world_size: int) -> None:
-    """--plan: the plan for any world size, from the model's config alone; no training."""
-    plan = Plan(cfg.global_batch, cfg.micro_batch, world_size)
+def fit_target(cfg: TrainConfig, model_config, seq_len: int, world_size: int, settings: ShardSettings) -> fit.Target:
+    return fit.Target(
+        json.loads(model_config.to_json_string()), cfg.global_batch, world_size, cfg.replicas, seq_len,
+        settings.bf16, settings.activation_checkpointing, settings.reshard_after_forward, cfg.strict_batch,
+    )  # fmt: skip
+
+
+def check_layout(cfg: TrainConfig, world_size: int) -> None:
+    """The cheap batch and mesh checks, before any estimate (micro batch auto: m = 1 for now)."""
+    plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else cfg.micro_batch, world_size)
     if cfg.strict_batch:
         plan.require_divisible()
+    policy.shard_size(plan, cfg.replicas)
+
+
+def plan_only(cfg: TrainConfig, world_size: int) -> None:
+    """--plan: the plan for any world size, from the model's config alone; no training."""
+    check_layout(cfg, world_size)
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     seq_len = resolve_seq_len(cfg, model_config)
-    bf16 = cfg.precision != "fp32"  # planning for a cluster: CUDA with bf16 unless told otherwise
-    size = model_size(modeling.parameter_shapes(model_config, cfg.trust_remote_code), bf16)
-    memory, where = _planning_memory(cfg)
-    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, bf16, size.n_params, memory)
-    decision = (
-        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
-        if chosen_layout.layout == layout.REPLICATE
-        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    modeling.parameter_shapes(model_config, cfg.trust_remote_code)  # refuses a config no model can be built from
+    # Planning for a cluster: CUDA with bf16 unless told otherwise.
+    settings = ShardSettings(
+        bf16=cfg.precision != "fp32",
+        reshard_after_forward=cfg.reshard_after_forward is not False,
+        activation_checkpointing=bool(cfg.activation_checkpointing),
     )
+    budget = budget_for(cfg)
+    n_params = sum(
+        math.prod(shape) for shape in modeling.parameter_shapes(model_config, cfg.trust_remote_code).values()
+    )
+    chosen_layout = layout.choose(
+        cfg.layout, cfg.sync, cfg.replicas, settings.bf16, n_params, budget.device_bytes, cfg.micro_batch == fit.AUTO
+    )
+    target = fit_target(cfg, model_config, seq_len, world_size, settings)
+    result = fit.fit(target, cfg.micro_batch, cfg.sync, budget, show_all=True)
+    plan = Plan(cfg.global_batch, result.micro_batch, world_size)
+    if cfg.strict_batch:
+        plan.require_divisible()
     print_lines(plan.describe(seq_len), "plan")
     print_lines(
         [
-            *policy.describe(plan, size, memory, cfg.replicas),
-            f"(device memory {where}; {'bf16' if bf16 else 'fp32'} compute)",
-            f"chosen: {decision.policy} — {decision.reason}",
+            *fit.describe(target, result, budget),
+            f"micro batch       {result.micro_batch} ({result.micro_reason})",
+            f"chosen: {result.decision.policy} — {result.decision.reason}",
             f"layout: {chosen_layout.layout} — {chosen_layout.reason}",
         ],
-        f"sync policy ({cfg.sync})",
+        f"memory per rank and sync policy ({cfg.sync})",
     )
 
 
-def _planning_memory(cfg: TrainConfig) -> tuple[int, str]:
+def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budget:
+    """--device-memory-gib, else this rank's device (a run) or this machine's free RAM (--plan)."""
     if cfg.device_memory_gib is not None:
-        return int(cfg.device_memory_gib * 2**30), "from --device-memory-gib"
-    return runtime.available_ram_bytes(), "this machine's free RAM; set --device-memory-gib for the target"
+        return fit.Budget(int(cfg.device_memory_gib * 2**30), "from --device-memory-gib")
+    if rt is None:
+        return fit.Budget(
+            runtime.available_ram_bytes(), "this machine's free RAM; set --device-memory-gib for the target"
+        )
+    return fit.Budget(runtime.device_memory_bytes(rt), f"{rt.device.type} memory per local rank")
+
+
+def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings):
+    """Collective: the micro batch and sync policy, decided by rank 0 from the estimate and sent to
+    every rank, so all ranks run the same plan (the estimate is skipped when nothing is left to choose)."""
+    if cfg.micro_batch != fit.AUTO:
+        plan = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size)
+        if cfg.sync != policy.AUTO or rt.world_size == 1 or plan.accum_steps == 1:
+            return plan, "as requested", policy.choose(cfg.sync, plan, {}, 0, cfg.replicas)
+    answer = ""
+    if rt.is_main:
+        budget = budget_for(cfg, rt)
+        try:
+            result = fit.fit(fit_target(cfg, model_config, seq_len, rt.world_size, settings), cfg.micro_batch,
+                             cfg.sync, budget)  # fmt: skip
+            answer = json.dumps([result.micro_batch, result.micro_reason, result.decision.policy,
+                                 result.decision.reason])  # fmt: skip
+        except UserError as exc:
+            if cfg.micro_batch == fit.AUTO:
+                answer = json.dumps({"error": str(exc)})
+            else:  # a fixed micro batch can still train: with the policy that holds the least
+                lean = fit.candidates(cfg.replicas)[-1]
+                answer = json.dumps([cfg.micro_batch, "as requested", lean, f"no estimate, so the leanest: {exc}"])
+    answer = json.loads(runtime.broadcast_text(answer, rt.device))
+    if isinstance(answer, dict):
+        raise UserError(answer["error"])  # printed by rank 0 alone
+    micro_batch, micro_reason, chosen, reason = answer
+    plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
+    if cfg.strict_batch:
+        plan.require_divisible()
+    return plan, micro_reason, policy.Decision(chosen, reason)
 
 
 @dataclass
@@ -114,6 +174,7 @@ class Setup:
     model_config: object
     source: modeling.ModelSource
     decision: policy.Decision
+    micro_reason: str  # why this micro batch (auto: the estimate's numbers)
     size: policy.ModelSize
     fingerprint: str
     total_steps: int
@@ -135,10 +196,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
         outdir.probe(out)
     meta = checkpoint.resolve_resume(resume, out)
     if world_size is not None:
-        plan = Plan(cfg.global_batch, cfg.micro_batch, world_size)
-        if cfg.strict_batch:
-            plan.require_divisible()
-        policy.shard_size(plan, cfg.replicas)
+        check_layout(cfg, world_size)
     source = modeling.resolve_source(cfg.model)
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     modeling.check_weights(source)
@@ -170,7 +228,6 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
     rt = runtime.start()
-    plan = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size)
     if not settings.rank0_loading:
         # transformers reads this too, and would leave ranks > 0 with empty (meta) weights
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
@@ -189,10 +246,10 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
-    if len(dataset) < plan.global_batch:
+    if len(dataset) < cfg.global_batch:
         raise UserError(
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
-            f"global batch of {plan.global_batch}; lower --global-batch or --seq-len, or add data"
+            f"global batch of {cfg.global_batch}; lower --global-batch or --seq-len, or add data"
         )
     if stats.format == "tokens":
         longest = stats.longest
@@ -204,13 +261,23 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             )
         seq_len = longest
     size = model_size(shapes, settings.bf16)
-    memory = int(cfg.device_memory_gib * 2**30) if cfg.device_memory_gib else runtime.device_memory_bytes(rt)
-    chosen_layout = layout.choose(cfg.layout, cfg.sync, cfg.replicas, settings.bf16, size.n_params, memory)
-    decision = (
-        policy.Decision(policy.LAST, "replicated: one all-reduce per step")
-        if chosen_layout.layout == layout.REPLICATE
-        else policy.choose(cfg.sync, plan, size, memory, cfg.replicas)
+    memory = budget_for(cfg, rt)
+    chosen_layout = layout.choose(
+        cfg.layout,
+        cfg.sync,
+        cfg.replicas,
+        settings.bf16,
+        size.n_params,
+        memory.device_bytes,
+        cfg.micro_batch == fit.AUTO,
     )
+    if chosen_layout.layout == layout.REPLICATE:
+        plan, micro_reason = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size), "as requested"
+        if cfg.strict_batch:
+            plan.require_divisible()
+        decision = policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+    else:
+        plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
         raise UserError(
@@ -226,8 +293,9 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     # record of the same run killed before its first one (a fresh start then replaces it)
     lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=resume is not None)
     return Setup(
-        rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision, size,
-        checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout, lock,
+        rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision,
+        micro_reason, size, checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
+        lock,
     )  # fmt: skip
 
 
@@ -349,6 +417,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
         f"layout            {s.layout.layout} ({s.layout.reason})",
         f"sharding          {s.settings.describe()}",
+        f"micro batch       {s.plan.micro_batch} ({s.micro_reason})",
         f"sync policy       {s.decision.policy} ({s.decision.reason})",
         *(f"note              {note}" for note in s.settings.notes),
     ]
@@ -522,6 +591,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
         "plan": {
             "global_batch": s.plan.global_batch,
             "micro_batch": s.plan.micro_batch,
+            "micro_batch_reason": s.micro_reason,
             "world_size": s.plan.world_size,
             "accum_steps": s.plan.accum_steps,
             "rank_samples": [s.plan.rank_samples(r) for r in range(s.plan.world_size)],

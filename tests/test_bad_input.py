@@ -103,7 +103,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 CASES = [
     (["--global-batch", "0"], "--global-batch must be >= 1"),
     (["--micro-batch", "-3"], "--micro-batch must be >= 1"),
-    (["--micro-batch", "abc"], "Invalid value for '--micro-batch'"),
+    (["--micro-batch", "abc"], "--micro-batch must be a positive integer or auto, got 'abc'"),
     (["--global-batch", "2.5"], "Invalid value for '--global-batch'"),
     (["--plan", "--global-batch", "4", "--world-size", "8"], "smaller than the world size 8"),
     (["--plan", "--strict-batch", "--global-batch", "100", "--micro-batch", "8", "--world-size", "4"],

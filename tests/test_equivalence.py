@@ -171,3 +171,27 @@ def test_a_per_microbatch_mean_would_fail_this_comparison(workdir, references):
             (model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(chunks)).backward()
 
     assert rel_err(grads(naive), grads(big_batch)) > 100 * TOL
+
+
+@pytest.mark.distributed
+def test_auto_micro_batch_under_a_small_budget_trains_the_same(workdir, references, tmp_path):
+    """--micro-batch auto with --sync auto on 2 ranks: a budget that holds m = 3 but not m = 4 under
+    `every` picks m = 3 (not ceil(13/2) = 7), every rank runs it (else the collectives would not
+    match), and the training still equals the one-big-batch reference."""
+    from accum_cli import estimate, fit
+
+    model = workdir / "model"
+    seq_len = max(len(row["input_ids"]) for row in load_rows(workdir / "data.jsonl"))  # pre-tokenised: the longest
+    config = json.loads((model / "config.json").read_text())
+    found = estimate.estimate([estimate.Query(config, 2, 1, m, seq_len, "every", False, False) for m in (3, 4)])
+    gib = (found[0].peak + found[1].peak) / 2 / fit.BUDGET_SHARE / 2**30
+    out = tmp_path / "run"
+    args = ["--model", str(model), "--dataset", str(workdir / "data.jsonl"), "--micro-batch", "auto",
+            "--device-memory-gib", f"{gib:.6f}", "--output-dir", str(out), *COMMON]  # fmt: skip
+    result = run_cli(args, nproc=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_same_training(out, references["model"])
+    record = json.loads((out / "config.json").read_text())
+    assert record["config"]["micro_batch"] == "auto" and record["plan"]["micro_batch"] == 3
+    assert "largest that fits" in record["plan"]["micro_batch_reason"]
+    assert "micro batch       3 (largest that fits" in result.stdout

@@ -1,0 +1,292 @@
+"""Peak memory per rank of one training step, measured by PyTorch on a fake model and world.
+
+No formula: the model is built from its config in `FakeTensorMode` (shapes, no storage), sharded
+by the run's own `model.shard` on a fake process group of the planned world size, and the run's
+own step (`loop.microbatch_backward`, gradient clipping, AdamW) is executed under PyTorch's
+`FSDPMemTracker`, which records every tensor's bytes by kind (parameters, gradients, optimizer
+state, activations, temporaries) and the peak. Two steps of at least two microbatches run, so
+AdamW's state exists and the second step's peak (the steady state) is the one reported.
+
+The fake process group replaces the real one for the life of the process, so estimation runs
+in a child process (`python -m accum_cli.estimate`): a real run's process group is never touched.
+Results are cached on disk keyed by every input, so a second `--plan` is instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from accum_cli.errors import UserError, first_line
+
+CACHE_VERSION = 1  # bump when what is measured changes, so old figures are not reused
+KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
+ESTIMATE_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Everything the peak depends on; `model_config` is the model's config as a JSON dict."""
+
+    model_config: dict
+    world_size: int
+    replicas: int
+    micro_batch: int
+    seq_len: int
+    sync: str
+    bf16: bool
+    activation_checkpointing: bool
+    reshard_after_forward: bool = True
+    accum_steps: int = 2  # microbatches per step in the estimate (>= 2: the policies differ from the second on)
+
+    def key(self) -> str:
+        import torch
+        import transformers
+
+        text = json.dumps([CACHE_VERSION, torch.__version__, transformers.__version__, asdict(self)], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    peak: int  # bytes per rank at the step's peak
+    breakdown: dict  # KINDS -> bytes at that peak
+    seconds: float  # time the measurement took (0 when read from the cache)
+    cached: bool = False
+
+
+def cache_dir() -> Path:
+    """Beside the prepared datasets (ACCUM_TRAIN_CACHE, else the datasets cache)."""
+    from accum_cli.prepare import cache_root
+
+    return cache_root() / "estimates"
+
+
+def estimate(queries: list[Query]) -> list[Estimate]:
+    """Peak per rank for each query: from the cache, else measured in one child process."""
+    results: dict[int, Estimate] = {}
+    missing = []
+    for index, query in enumerate(queries):
+        hit = _read_cache(query)
+        if hit is None:
+            missing.append(index)
+        else:
+            results[index] = hit
+    if missing:
+        for index, fresh in zip(missing, _measure_in_child([queries[i] for i in missing]), strict=True):
+            _write_cache(queries[index], fresh)
+            results[index] = fresh
+    return [results[i] for i in range(len(queries))]
+
+
+def _read_cache(query: Query) -> Estimate | None:
+    path = cache_dir() / f"{query.key()}.json"
+    try:
+        data = json.loads(path.read_text())
+        breakdown = {k: int(data["breakdown"][k]) for k in KINDS}
+        return Estimate(int(data["peak"]), breakdown, 0.0, cached=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: measure again
+
+
+def _write_cache(query: Query, result: Estimate) -> None:
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{query.key()}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"peak": result.peak, "breakdown": result.breakdown}))
+        tmp.replace(folder / f"{query.key()}.json")
+    except OSError:
+        pass  # a read-only cache only costs time
+
+
+def _measure_in_child(queries: list[Query]) -> list[Estimate]:
+    payload = json.dumps([asdict(q) for q in queries])
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # the child must not join the real run's process group
+    env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(
+        [sys.executable, "-m", "accum_cli.estimate"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=ESTIMATE_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit code {done.returncode}"
+        raise UserError(
+            f"the memory estimate failed ({why[:200]}); pass --micro-batch N and --sync every|last to skip it"
+        )
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    return [Estimate(row["peak"], row["breakdown"], row["seconds"]) for row in rows]
+
+
+# --- in the child process -------------------------------------------------------------------
+
+
+def fake_store():
+    """PyTorch's in-memory store for a fake process group. It lives in a private testing
+    module; this is the one place that imports it (a test fails loudly if torch moves it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def breakdown_of(snapshot: dict) -> dict:
+    """One device's peak snapshot from the tracker, grouped into our six kinds (bytes).
+
+    The tracker's kinds are named by its own enum, so a torch that renames one fails here
+    loudly instead of silently counting zero; anything it adds is counted as temporaries."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Kind
+
+    groups = {
+        "sharded_params": (Kind.SHARDED_PARAM, Kind.BUFFER),
+        "unsharded_params": (Kind.UNSHARDED_PARAM, Kind.ALL_GATHER),
+        "gradients": (Kind.SHARDED_GRAD, Kind.UNSHARDED_GRAD, Kind.REDUCE_SCATTER),
+        "optimizer": (Kind.OPT,),
+        "activations": (Kind.ACT, Kind.INP),
+        "temporaries": (Kind.TEMP,),
+    }
+    named = {str(getattr(kind, "value", kind)): int(n) for kind, n in snapshot.items()}
+    result = {ours: sum(named.get(kind.value, 0) for kind in kinds) for ours, kinds in groups.items()}
+    result["temporaries"] += named["Total"] - sum(result.values())
+    return result
+
+
+def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, device) -> tuple[int, dict]:
+    """One training step under FSDPMemTracker: its peak bytes per rank, and the breakdown at it.
+
+    The run's own pieces: `loop.microbatch_backward` per microbatch, clipping, AdamW. AdamW's
+    moments are created first (zero gradients, one step: no forward needed), so the peak is the
+    steady state's. The tracker's per-module statistics are reset between microbatches (it
+    refuses a second forward of a module in one iteration otherwise)."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from accum_cli.loop import microbatch_backward
+
+    if not optimizer.state:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
+    tracker.track_inputs(tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels)))
+    with tracker:
+        for index, mb in enumerate(microbatches):
+            microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+            tracker.reset_mod_stats()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
+    return int(snap["Total"]), breakdown_of(snap)
+
+
+def fake_microbatches(vocab_size: int, micro_batch: int, seq_len: int, accum_steps: int, device):
+    import torch
+
+    from accum_cli.data import Microbatch
+
+    shape = (micro_batch, seq_len)
+    return [
+        Microbatch(
+            input_ids=torch.randint(0, vocab_size, shape, device=device),
+            attention_mask=torch.ones(shape, dtype=torch.long, device=device),
+            labels=torch.randint(0, vocab_size, shape, device=device),
+        )
+        for _ in range(accum_steps)
+    ]
+
+
+def _build_key(query: Query) -> str:
+    """Queries that differ only in sync policy and micro batch share one fake model."""
+    return json.dumps([asdict(query) | {"sync": None, "micro_batch": None}], sort_keys=True)
+
+
+def _fake_model(query: Query, fake_mode):
+    """The model from its config in FakeTensorMode, sharded by the run's shard() on a fake world."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accum_cli import model as modeling
+    from accum_cli import optim
+    from accum_cli.config import TrainConfig
+    from accum_cli.runtime import Runtime
+    from accum_cli.sharding import ShardSettings
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=query.world_size, store=fake_store())
+    config_dict = dict(query.model_config)
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    config.use_cache = False
+    settings = ShardSettings(
+        bf16=query.bf16,
+        reshard_after_forward=query.reshard_after_forward,
+        activation_checkpointing=query.activation_checkpointing,
+    )
+    rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
+    mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
+    with fake_mode:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+        modeling.shard(model, mesh, settings)
+        optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)  # the rate does not change memory
+    return model, optimizer, config
+
+
+def measure_all(queries: list[Query]) -> list[Estimate]:
+    """In this process (the child): each query's peak, one fake model per group of queries."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the model and its inputs must share it
+
+    device = torch.device("cpu")
+    built: tuple[str, object, object, object] | None = None
+    results = []
+    for query in queries:
+        started = time.perf_counter()
+        if built is None or built[0] != _build_key(query):
+            built = None  # free the previous fake model first
+            built = (_build_key(query), *_fake_model(query, fake_mode))
+        _, model, optimizer, config = built
+        with fake_mode:
+            microbatches = fake_microbatches(
+                config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device
+            )
+            loss_tokens = query.micro_batch * query.seq_len * query.accum_steps * query.world_size
+            peak, breakdown = tracked_step(model, optimizer, microbatches, query.sync, loss_tokens, device)
+        results.append(Estimate(peak, breakdown, time.perf_counter() - started))
+    return results
+
+
+def main() -> None:
+    queries = [Query(**row) for row in json.loads(sys.stdin.read())]
+    # Sharing a fake model needs the queries that share it next to each other.
+    order = sorted(range(len(queries)), key=lambda i: _build_key(queries[i]))
+    try:
+        measured = measure_all([queries[i] for i in order])
+    except Exception as exc:  # reported in one line by the parent
+        print(f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    rows: list[dict] = [{}] * len(queries)
+    for i, result in zip(order, measured, strict=True):
+        rows[i] = {"peak": result.peak, "breakdown": result.breakdown, "seconds": result.seconds}
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

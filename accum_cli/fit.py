@@ -1,0 +1,176 @@
+"""What fits a rank: the micro batch and the sync policy, chosen from the memory estimate.
+
+The budget is the device memory times BUDGET_SHARE: the estimate counts the bytes of tensors
+only, while the CUDA context (0.5-1 GiB), NCCL's buffers and the caching allocator's
+fragmentation take the rest. On CPU the device memory is the free RAM shared by the local ranks.
+
+`--micro-batch auto` looks for the largest m <= ceil(G/W) that fits under the leanest policy
+(`every`, `hsdp-defer` on a 2-D mesh, or the one requested). The peak grows linearly with m
+(parameters, gradients and AdamW state do not depend on it; activations and temporaries are
+per sequence), so two estimates (m = 1, 2) predict it, and the estimate at the chosen m confirms
+it (one sequence less until it fits). The sync policy is then chosen at that m.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from accum_cli import estimate, policy
+from accum_cli.errors import UserError
+from accum_cli.plan import Plan
+
+AUTO = "auto"
+BUDGET_SHARE = 0.85
+MAX_CONFIRMS = 4  # estimates spent walking m down when the linear prediction was optimistic
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the estimate needs besides the micro batch and the policy."""
+
+    model_config: dict
+    global_batch: int
+    world_size: int
+    replicas: int
+    seq_len: int
+    bf16: bool
+    activation_checkpointing: bool
+    reshard_after_forward: bool = True
+    strict_batch: bool = False
+
+    def query(self, sync: str, micro_batch: int) -> estimate.Query:
+        return estimate.Query(
+            self.model_config, self.world_size, self.replicas, micro_batch, self.seq_len, sync, self.bf16,
+            self.activation_checkpointing, self.reshard_after_forward,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    device_bytes: int
+    where: str
+
+    @property
+    def bytes(self) -> int:
+        return int(self.device_bytes * BUDGET_SHARE)
+
+    def describe(self) -> str:
+        return f"{gib(self.bytes)} per rank = {BUDGET_SHARE:.0%} of {gib(self.device_bytes)} ({self.where})"
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    micro_batch: int
+    micro_reason: str
+    decision: policy.Decision
+    estimates: dict[str, estimate.Estimate]  # per policy, at micro_batch
+    per_sequence: int  # bytes one more sequence in a microbatch adds (0: not measured)
+    seconds: float
+    cached: bool
+
+
+def candidates(replicas: int) -> tuple[str, ...]:
+    """The policies `auto` considers, least communication first."""
+    lean = policy.HSDP_DEFER if replicas > 1 else policy.EVERY
+    return (policy.LAST_KEEP_PARAMS, policy.LAST, lean)
+
+
+def fit(target: Target, micro_batch: int | str, sync: str, budget: Budget, show_all: bool = False) -> Fit:
+    """Resolve `auto` micro batch and sync policy from estimates (cached); `show_all` (--plan)
+    estimates every policy and the per-sequence growth even when nothing is left to choose."""
+    started = time.perf_counter()
+    spent: list[estimate.Estimate] = []
+
+    def run(queries: list[estimate.Query]) -> list[estimate.Estimate]:
+        found = estimate.estimate(queries)
+        spent.extend(found)
+        return found
+
+    lean = sync if sync != AUTO else candidates(target.replicas)[-1]
+    cap = -(-target.global_batch // target.world_size)
+    per_sequence = 0
+    if micro_batch == AUTO:
+        micro_batch, micro_reason, per_sequence = _auto_micro_batch(target, lean, cap, budget, run)
+    else:
+        micro_reason = "as requested"
+    plan = Plan(target.global_batch, micro_batch, target.world_size)
+    deferring = plan.world_size > 1 and plan.accum_steps > 1
+    policies = candidates(target.replicas) if (sync == AUTO and deferring) or show_all else ()
+    if sync != AUTO and sync not in policies and show_all:
+        policies = (*policies, sync)
+    found = dict(zip(policies, run([target.query(p, micro_batch) for p in policies]), strict=True))
+    if show_all and not per_sequence:
+        bigger = run([target.query(lean, 2 * micro_batch)])[0]
+        per_sequence = max((bigger.peak - found[lean].peak) // micro_batch, 0)
+    peaks = {p: e.peak for p, e in found.items()}
+    decision = policy.choose(sync, plan, peaks, budget.bytes, target.replicas)
+    seconds = time.perf_counter() - started
+    return Fit(micro_batch, micro_reason, decision, found, per_sequence, seconds, all(e.cached for e in spent))
+
+
+def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) -> tuple[int, str, int]:
+    first = run([target.query(lean, m) for m in sorted({1, min(2, cap)})])
+    one = first[0].peak
+    if one > budget.bytes:
+        raise UserError(
+            f"one sequence of {target.seq_len} tokens per microbatch needs an estimated {gib(one)} per rank under "
+            f"--sync {lean}, above the budget of {budget.describe()}; the smallest device memory that works is "
+            f"{gib(int(one / BUDGET_SHARE) + 1)}: use more ranks, --activation-checkpointing, --sync every, "
+            "or a shorter --seq-len"
+        )
+    per_sequence = max(first[-1].peak - one, 0)
+    m = cap if per_sequence == 0 else max(1, min(cap, 1 + (budget.bytes - one) // per_sequence))
+    if target.strict_batch:
+        m = _divisible(m, target)
+    peak = first[-1].peak if m == 2 else one if m == 1 else run([target.query(lean, m)])[0].peak
+    for _ in range(MAX_CONFIRMS):
+        if peak <= budget.bytes or m == 1:
+            break
+        m = _divisible(m - 1, target) if target.strict_batch else m - 1
+        peak = run([target.query(lean, m)])[0].peak
+    if peak > budget.bytes:
+        m, peak = 1, one
+    limit = f"= ceil(G/W) = {cap}: one microbatch per step" if m == cap else f"<= ceil(G/W) = {cap}"
+    reason = f"largest that fits ({limit}): estimated {gib(peak)} under {lean} vs budget {gib(budget.bytes)}"
+    return m, reason, per_sequence
+
+
+def _divisible(m: int, target: Target) -> int:
+    """--strict-batch: the largest m' <= m with G a multiple of m' x W (1 if none)."""
+    while m > 1 and target.global_batch % (m * target.world_size):
+        m -= 1
+    return m
+
+
+def describe(target: Target, result: Fit, budget: Budget) -> list[str]:
+    """The per-policy table: estimated peak per rank, its breakdown, and the micro batches that fit."""
+    lines = [
+        f"budget            {budget.describe()}",
+        f"estimated at      micro batch {result.micro_batch}, seq len {target.seq_len}, "
+        f"{'bf16' if target.bf16 else 'fp32'}"
+        + (", activation checkpointing" if target.activation_checkpointing else "")
+        + f" (in {result.seconds:.1f} s{', from the cache' if result.cached else ''})",
+    ]
+    plan = Plan(target.global_batch, result.micro_batch, target.world_size)
+    cap = -(-target.global_batch // target.world_size)
+    for name, found in result.estimates.items():
+        parts = ", ".join(f"{kind.replace('_', ' ')} {gib(found.breakdown[kind])}" for kind in estimate.KINDS)
+        verdict = "fits" if found.peak <= budget.bytes else "does NOT fit"
+        fits = ""
+        if result.per_sequence:
+            room = (budget.bytes - found.peak) // result.per_sequence
+            largest = max(0, min(cap, result.micro_batch + room))
+            fits = f"; micro batches that fit: {'none' if largest < 1 else f'1-{largest}'}"
+        lines += [
+            f"  {name:<17} peak {gib(found.peak)}, {verdict}{fits}",
+            f"  {'':<17} {parts}",
+            f"  {'':<17} {policy.collectives_per_step(name, plan.accum_steps, target.replicas)} per step",
+        ]
+    if result.per_sequence:
+        lines.append(f"per sequence      +{gib(result.per_sequence)} per rank for each sequence in a microbatch")
+    return lines
+
+
+def gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.2f} GiB"
