@@ -99,7 +99,7 @@ def test_one_command_line_survives_two_preemptions_bit_for_bit(root, tmp_path):
           f"{time.monotonic() - started:.1f} s")  # fmt: skip
 
     got, want = read_metrics(out), read_metrics(reference)
-    assert [m["step"] for m in got] == list(range(steps))
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
     assert_same_model(out, reference)
@@ -116,7 +116,7 @@ def test_resume_auto_starts_afresh_where_the_same_run_died_before_its_first_chec
     assert refused.returncode == 2 and "holds a previous run" in refused.stderr
     again = ok(run_cli([*train_args(root, out, 2), "--resume", "auto"]))
     assert "auto: no complete checkpoint in" in again.stdout and "starting fresh" in again.stdout
-    assert [m["step"] for m in read_metrics(out)] == [0, 1]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
 
 def umask(mask: int):
