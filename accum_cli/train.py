@@ -482,14 +482,15 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         "fingerprint": s.fingerprint, "data": s.data_id,
     }  # fmt: skip
 
-    def save_checkpoint(step: int, samples: int) -> Path:
+    def save_checkpoint(step: int, samples: int, draw: bool = True) -> Path:
         path, seconds = checkpoint.save(
             s.output_dir, step, samples, model, optimizer, record, s.model_config, s.tokenizer,
             cfg.keep_checkpoints, rt.is_main, rt.device,
         )  # fmt: skip
         if rt.is_main:
             print(f"checkpoint {path} saved in {seconds:.2f} s", flush=True)
-            refresh_report(s.output_dir)
+            if draw:
+                refresh_report(s.output_dir)
         return path
 
     per_token = flops_per_token(
@@ -518,10 +519,12 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             seconds = time.perf_counter() - started
             trackers.log(reporter.step(step, result, seconds, evaluate(done)))
             if done < s.total_steps and stop.agreed(rt.device):  # the last step just finishes
-                path = save_checkpoint(done, samples)
+                # Who asked is read now: once a rank has exited, the launcher signals the others too.
+                asked_by = stop.signal_name or "a signal on another rank"
+                path = save_checkpoint(done, samples, draw=False)  # a preempted job's grace is short
                 waited = time.monotonic() - stop.received_at if stop.received_at else 0.0
                 raise Preempted(
-                    f"stopped by {stop.signal_name or 'a signal on another rank'} after step {done} "
+                    f"stopped by {asked_by} after step {done} "
                     f"({waited:.2f} s after the signal); resume with --resume (checkpoint {path})"
                 )
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
