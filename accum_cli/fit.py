@@ -165,7 +165,7 @@ def describe(target: Target, result: Fit, budget: Budget) -> list[str]:
         lines += [
             f"  {name:<17} peak {gib(found.peak)}, {verdict}{fits}",
             f"  {'':<17} {parts}",
-            f"  {'':<17} {policy.collectives_per_step(name, plan.accum_steps, target.replicas)} per step",
+            f"  {'':<17} {policy.collectives_per_step(name, plan.accum_steps, target.replicas)} per decoder layer per step",
         ]
     if result.per_sequence:
         lines.append(f"per sequence      +{gib(result.per_sequence)} per rank for each sequence in a microbatch")

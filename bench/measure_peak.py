@@ -53,7 +53,7 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
     else:
         model = modeling.load_model(source, config, False, seed=0)
     modeling.shard(model, rt.mesh(1), settings)
-    optimizer, _ = optim.build(model, TrainConfig(), total_steps=2)
+    optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=2)
     torch.manual_seed(rt.rank)
     microbatches = fake_microbatches(config.vocab_size, micro_batch, args.seq_len, args.accum_steps, rt.device)
     loss_tokens = micro_batch * args.seq_len * args.accum_steps * rt.world_size

@@ -64,10 +64,13 @@ def test_collectives_per_step_are_what_the_plan_prints(request, case):
     # ... and `--plan` for the same layout prints exactly these numbers.
     world = 2 * m["replicas"]
     result = CliRunner().invoke(app, ["--plan", "--world-size", str(world), "--replicas", str(m["replicas"]),
-                                      "--global-batch", str(world * m["accum"]), "--micro-batch", "1"])  # fmt: skip
+                                      "--global-batch", str(world * m["accum"]), "--micro-batch", "1",
+                                      "--sync", m["sync"]])  # fmt: skip
     assert result.exit_code == 0, result.output
-    row = next(line for line in result.output.splitlines() if line.strip().startswith(m["sync"] + " "))
-    assert policy.collectives_per_step(m["sync"], m["accum"], m["replicas"]) in row, row
+    lines = result.output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(m["sync"] + " "))
+    block = "\n".join(lines[at : at + 3])  # the policy's row: its peak, its breakdown, its collectives
+    assert policy.collectives_per_step(m["sync"], m["accum"], m["replicas"]) in block, block
 
 
 def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
@@ -77,11 +80,8 @@ def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
     }
     print("live tensor bytes between microbatches (rank 0):", held)
     assert held["every"] < held["last"] < held["last-keep-params"], held
-    size = policy.ModelSize(n_params=1000, compute_bytes=4)
-    planned = [policy.extra_bytes(sync, size) for sync in ("every", "last", "last-keep-params")]
-    assert planned == sorted(set(planned)), "the plan orders them the same way"
-    # The plan's model: `last` adds the unsharded gradients, `last-keep-params` also the
-    # unsharded parameters, so the two steps up are about the same size.
+    # `last` adds the unsharded gradients, `last-keep-params` also the unsharded parameters,
+    # so the two steps up are about the same size. (Whole peaks: test_estimate.py.)
     up_grads, up_params = held["last"] - held["every"], held["last-keep-params"] - held["last"]
     assert 0.25 < up_grads / up_params < 4, held
 
