@@ -224,6 +224,36 @@ MUTANTS = [
     Mutant("prepare: the cache ignores the options", "accum_cli/prepare.py",
            "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, asdict(options),",
            "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, None,", (PROMISES, "-k", "cache")),
+    # --- safe_dcp: nothing runs from a checkpoint, every byte read is verified --------------------
+    Mutant("safe_dcp: the metadata unpickler admits any class", "accum_cli/safe_dcp.py",
+           '        raise UnsafeCheckpoint(f"its .metadata asks to load {module[:60]}.{name[:60]}, which DCP never writes")',
+           "        return super().find_class(module, name)",
+           (TRUST, "-k", "payload_in_dcp_metadata or payload_in_resume_metadata")),
+    Mutant("safe_dcp: non-tensor items unpickled with weights_only=False", "accum_cli/safe_dcp.py",
+           "obj = torch.load(value, weights_only=True)", "obj = torch.load(value, weights_only=False)",
+           (TRUST, "-k", "payload_in_a_shard_item")),
+    Mutant("safe_dcp: a file's checksum is not compared", "accum_cli/safe_dcp.py",
+           'if sha256_file(path) != expected["sha256"]:', "if False:",
+           (TRUST, "-k", "flipped_bytes or same_size_shard")),
+    # --- outdir: only what accum-train wrote is ever deleted --------------------------------------
+    Mutant("outdir: a folder with a run's record files but no marker is ours", "accum_cli/outdir.py",
+           "if not names or MARKER in names:", 'if not names or MARKER in names or "metrics.jsonl" in names:',
+           (TRUST, "-k", "someone_elses")),
+    Mutant("outdir: --overwrite removes unmarked checkpoint folders", "accum_cli/outdir.py",
+           "            if entry.is_dir() and is_marked(entry):\n", "            if entry.is_dir():\n",
+           (TRUST, "-k", "overwrite_removes")),
+    # --- layout: the replicated layout sums each step's gradients over ranks ----------------------
+    Mutant("layout: replicated gradients never reduced", "accum_cli/loop.py",
+           "    if not isinstance(model, FSDPModule):\n        reduce_replicated_gradients(model)\n", "",
+           eq_case("model-2-3-last", "replicate")),
+    Mutant("layout: replicated gradients averaged, not summed", "accum_cli/loop.py",
+           "            dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n",
+           "            dist.all_reduce(flat, op=dist.ReduceOp.SUM)\n            flat /= dist.get_world_size()\n",
+           eq_case("model-2-3-last", "replicate")),
+    # --- checkpoint: meta.json is validated, field by field -----------------------------------------
+    Mutant("checkpoint: meta.json's samples not checked against its steps", "accum_cli/checkpoint.py",
+           'if fields["samples"] != implied or fields["origin_samples"] < fields["origin_step"]:',
+           'if fields["origin_samples"] < fields["origin_step"]:', (TRUST, "-k", "edited_meta")),
 ]  # fmt: skip
 
 
