@@ -224,13 +224,15 @@ def flip(path: Path, at: int, n: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("where", ["model", "optim", "last-bytes"])
+@pytest.mark.parametrize("where", ["model", "optim", "last-bytes", ".metadata"])
 def test_flipped_bytes_in_a_shard_are_refused(root, trained, tmp_path, where):
     ckpt = copy_checkpoint(trained, tmp_path)
     offsets = shard_offsets(ckpt)
     if where == "last-bytes":
         shard = next(ckpt.glob("*.distcp"))
         flip(shard, shard.stat().st_size - 16)
+    elif where == ".metadata":  # same size, so only its checksum can tell
+        flip(ckpt / ".metadata", (ckpt / ".metadata").stat().st_size // 2, n=4)
     else:
         fqn = next(name for name in offsets if name.startswith(where) and "layers.1" in name)
         file, offset, length = offsets[fqn]
