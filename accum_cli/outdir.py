@@ -142,11 +142,7 @@ class RunLock:
                 handle.close()
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise UserError(f"--output-dir {self.out}: cannot lock {self.path} ({exc.strerror})") from None
-                who = holder.describe() if holder else "another process"
-                raise UserError(
-                    f"--output-dir {self.out} is in use by another accum-train run ({who}); "
-                    "wait for it to end or pick another --output-dir"
-                ) from None
+                raise _in_use(self.out, holder) from None
             # The holder before us may have unlinked the file between our open and our lock:
             # then we locked an orphan inode and must try again on the file that is there now.
             try:
@@ -188,13 +184,16 @@ def probe(out: Path) -> None:
     except BlockingIOError:
         with open(lock) as handle:
             holder = _read_holder(handle)
-        who = holder.describe() if holder else "another process"
-        raise UserError(
-            f"--output-dir {out} is in use by another accum-train run ({who}); "
-            "wait for it to end or pick another --output-dir"
-        ) from None
+        raise _in_use(out, holder) from None
     except OSError:
         return  # unreadable lock file: the real acquisition will say why
+
+
+def _in_use(out: Path, holder: Holder | None) -> UserError:
+    who = holder.describe() if holder else "another process"
+    return UserError(
+        f"--output-dir {out} is in use by another accum-train run ({who}); wait for it to end or pick another --output-dir"
+    )
 
 
 def _now() -> str:

@@ -221,10 +221,10 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     vocab_size = getattr(model_config, "vocab_size", None)
     options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
-    for rows in (raw, raw_eval):
-        if rows is not None:
-            prepare.check(rows, tokenizer, options)
-    data_id = data_identity(prepare.cache_key(raw, tokenizer, options, prepare.check(raw, tokenizer, options)), cfg)
+    fmt = prepare.check(raw, tokenizer, options)
+    if raw_eval is not None:
+        prepare.check(raw_eval, tokenizer, options)
+    data_id = data_identity(prepare.cache_key(raw, tokenizer, options, fmt), cfg)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
 
     rt = runtime.start()
