@@ -74,8 +74,11 @@ def test_collectives_per_step_are_what_the_plan_prints(request, case):
 
 
 def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
+    # What a policy holds is there at every microbatch boundary; the smaller reading is taken
+    # because gloo sometimes still holds the root group's reduce-scatter buffers (~2 x its
+    # shard) at one boundary of `every`, as a CI run showed (every 691 KB vs 494 KB).
     held = {
-        sync: max(two_ranks[f"{sync}:3"]["bytes_between_microbatches"])
+        sync: min(two_ranks[f"{sync}:3"]["bytes_between_microbatches"])
         for sync in ("every", "last", "last-keep-params")
     }
     print("live tensor bytes between microbatches (rank 0):", held)
