@@ -152,6 +152,9 @@ class TrainConfig:
                                                 none_means="the accelerate config's, else yes")  # fmt: skip
     activation_checkpointing: bool | None = option(None, "Recompute decoder-layer activations in backward.", LAUNCH,
                                                    none_means="the accelerate config's, else no")  # fmt: skip
+    compile: bool | None = option(None, "torch.compile each decoder layer's forward (regional: a short compile, "
+                                  "hooks stay eager); the same training up to fp32 rounding.", LAUNCH,
+                                  none_means="the accelerate config's dynamo backend, else no")  # fmt: skip
     offload_params: bool | None = option(None, "CUDA only: keep sharded parameters and optimizer state in CPU memory.",
                                          LAUNCH, none_means="the accelerate config's, else no")  # fmt: skip
     rank0_loading: bool | None = option(None, "Load the weights on rank 0 only and broadcast them.", LAUNCH,

@@ -113,7 +113,8 @@ def microbatch_backward(
     if isinstance(model, FSDPModule):  # a replicated model reduces once, after the last microbatch
         set_sync_flags(model, sync, is_last)
     mb = mb.to(device)
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+    # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
     mb_loss_sum = token_loss_sum(out.logits, mb.labels)
     loss = mb_loss_sum / loss_tokens
     aux = None

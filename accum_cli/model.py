@@ -266,6 +266,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
+def compile_layers(model: nn.Module) -> None:
+    """Regional compilation, as torchtitan does it: each decoder layer's forward compiled on its
+    own. The layers share one class, so they share one compiled graph (compile time is one
+    layer's, not the model's), and replacing `forward` rather than the module's call keeps
+    FSDP's and checkpointing's hooks eager, outside the graph. The state dict's names do not
+    change, so a checkpoint moves freely between compiled and eager runs."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+
+
 def _copy_view_outputs(module: nn.Module, args, output):
     """Forward hook: a layer output that is a view (OPT returns `(residual + h).view(shape)`)
     becomes a tensor of its own. FSDP2 registers its pre-backward hook (which all-gathers the
@@ -329,6 +339,8 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
     """The whole model on every rank (layout.py): every rank reads the same weights, or draws
     the same ones from the seed, so the replicas start equal and stay equal."""
     model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
+    if settings.compile:
+        compile_layers(model)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -342,7 +354,10 @@ def describe_replicated(model: nn.Module) -> str:
 def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:
     """The sharded model on every rank, its weights read once per rank or once in all."""
     if not (settings.rank0_loading and rt.world_size > 1):
-        return shard(load_model(source, config, cfg.trust_remote_code, cfg.seed), mesh, settings)
+        model = load_model(source, config, cfg.trust_remote_code, cfg.seed)
+        if settings.compile:
+            compile_layers(model)
+        return shard(model, mesh, settings)
     from transformers import AutoModelForCausalLM
 
     # Only rank 0 holds the full weights in CPU memory; the others shard an empty (meta)
@@ -355,6 +370,8 @@ def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt,
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
         model.train()
         full_state = {}
+    if settings.compile:
+        compile_layers(model)
     shard(model, mesh, settings)
     if not rt.is_main:
         model.to_empty(device="cpu" if settings.offload_params else rt.device)

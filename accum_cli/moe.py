@@ -98,7 +98,7 @@ def step_choices(model, config, microbatches, device: torch.device) -> tuple[tor
     totals = torch.zeros(n_experts + 1, dtype=torch.float64, device=device)  # counts past 2**24 stay exact
     for mb in microbatches:  # every rank runs the same number, placeholders too: FSDP's all-gathers match
         mb = mb.to(device)
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         if not mb.empty:
             choices, _, rows = router_stats(config, out.router_logits, mb.attention_mask)
             totals += torch.cat([choices, rows.reshape(1)]).double()

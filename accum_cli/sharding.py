@@ -24,6 +24,7 @@ class ShardSettings:
     offload_params: bool = False
     activation_checkpointing: bool = False
     rank0_loading: bool = False
+    compile: bool = False  # each decoder layer's forward compiled (model.compile_layers)
     source: str = "defaults"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -37,6 +38,8 @@ class ShardSettings:
             parts.append("activation checkpointing")
         if self.rank0_loading:
             parts.append("weights loaded on rank 0 and broadcast")
+        if self.compile:
+            parts.append("decoder layers compiled")
         return ", ".join(parts) + f" (from {self.source})"
 
 
@@ -65,9 +68,20 @@ def resolve(cfg: TrainConfig, device_type: str) -> ShardSettings:
         offload_params=offload,
         activation_checkpointing=pick("activation_checkpointing", False),
         rank0_loading=pick("rank0_loading", False),
+        compile=cfg.compile if cfg.compile is not None else _accelerate_compiles(env, notes),
         source="flags and the accelerate config" if launched_by_accelerate else "flags and defaults",
         notes=tuple(notes),
     )
+
+
+def _accelerate_compiles(env, notes: list[str]) -> bool:
+    """`accelerate launch` with a dynamo config exports its backend; inductor is what we compile with."""
+    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()
+    if backend == "NO":
+        return False
+    if backend != "INDUCTOR":
+        notes.append(f"dynamo backend {backend.lower()} asked: accum-train compiles with inductor")
+    return True
 
 
 def _precision(cfg: TrainConfig, device_type: str, env, notes: list[str]) -> bool:

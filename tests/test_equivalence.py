@@ -128,6 +128,11 @@ CASES = [
     ("model", 2, 3, "last", ["--layout", "replicate"]),
     ("model-tied", 2, 2, "last", ["--layout", "replicate"]),
     ("model", 2, 3, "last", ["--layout", "replicate", "--activation-checkpointing"]),
+    # Compiled decoder layers, inside FSDP's hooks and activation checkpointing: inductor fuses and
+    # reorders fp32 sums, yet the run stays within the same 1e-5 (measured: 7e-8 on the losses,
+    # also at W=2 in both layouts), so compile gets no looser tolerance. One process: compiling
+    # costs ~40 s per process on this CPU.
+    ("model", 1, 3, "last", ["--layout", "shard", "--compile", "--activation-checkpointing"]),
 ]
 
 

@@ -93,3 +93,39 @@ def test_the_wrapper_speaks_accelerate_launch():
     assert (parsed.main_process_ip, parsed.main_process_port, parsed.mixed_precision) == ("10.1.1.1", 1234, "bf16")
     assert parsed.multi_gpu and parsed.module and parsed.training_script == "accum_cli"
     assert parsed.training_script_args == ["--global-batch", "64"]
+
+
+@pytest.mark.parametrize(
+    "flag, backend, compiled, note",
+    [(None, None, False, None), (True, None, True, None), (None, "INDUCTOR", True, None), (False, "INDUCTOR", False, None),
+     (None, "EAGER", True, "dynamo backend eager asked: accum-train compiles with inductor")],
+)  # fmt: skip
+def test_compile_from_the_flag_else_the_accelerate_dynamo_config(accelerate_env, flag, backend, compiled, note):
+    if backend:
+        accelerate_env({"ACCELERATE_DYNAMO_BACKEND": backend})
+    settings = sharding.resolve(TrainConfig(compile=flag), "cpu")
+    assert settings.compile is compiled
+    assert (note in settings.notes) if note else not settings.notes
+    assert ("decoder layers compiled" in settings.describe()) is compiled
+
+
+def test_compile_layers_compiles_every_decoder_layer_and_keeps_the_state_dict_names(tmp_path):
+    """Compiled for real (one graph shared by the layers) and a checkpoint's names unchanged, so
+    checkpoints move between compiled and eager runs. Exactness: test_equivalence.py."""
+    import torch
+    from helpers import save_tiny_model
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from accum_cli import model as modeling
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model"), dtype=torch.float32)
+    names = list(model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    modeling.compile_layers(model)
+    model(input_ids=torch.randint(3, 300, (2, 8)), use_cache=False).logits.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    layers = modeling.decoder_layers(model)
+    assert len(layers) > 1 and all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+    assert list(model.state_dict()) == names
