@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-peers mutants clean
+.PHONY: setup run test test-fast lint format bench bench-peers bench-memory mutants clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench: setup
 # accum-train (defaults) vs the HF Trainer, Accelerate's accumulate() and hand-written FSDP2, side by side.
 bench-peers: setup
 	bash bench/peers.sh
+
+# Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~2 min).
+bench-memory: setup
+	$(BIN)/python bench/memory.py
 
 # Hand-written mutants, each against the tests that should catch it (bench/MUTANTS.md). Slow; not CI.
 mutants: setup

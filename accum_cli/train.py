@@ -21,6 +21,7 @@ from accum_cli import (
     checkpoint,
     data,
     fit,
+    hostmem,
     layout,
     optim,
     outdir,
@@ -442,6 +443,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
         wrapped = modeling.describe_replicated(model)
     else:
+        if rt.device.type == "cpu" and hostmem.follow_live_tensors() and rt.is_main:
+            print(f"  {'host memory':<18}freed tensors go back to the system (fixed mmap threshold)", flush=True)
         model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
         wrapped = modeling.describe_sharding(model)
     if rt.is_main:

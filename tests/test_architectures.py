@@ -208,6 +208,7 @@ def test_header_names_attention_and_sharding(workdir, models, tmp_path):
     assert "3 FSDP units: 2 x LlamaDecoderLayer + root holding model.embed_tokens.weight = lm_head.weight (tied)" in (
         output
     )
+    assert "host memory       freed tensors go back to the system" in output  # sharded on CPU: hostmem.py
     _, output = train_in_process(cli_args(models("bloom"), workdir / "data.jsonl", tmp_path / "b", 12, "every"))
     assert "eager (BloomForCausalLM has no sdpa; its default)" in output
     assert "2 x BloomBlock" in output

@@ -1,0 +1,182 @@
+"""Peak resident memory per rank where the training state dominates: accum-train sharding vs DDP.
+
+Workload (issue 11): Llama, vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads,
+untied (45M parameters, 16 B each of training state: 727 MB), fp32, seq 128, G=8, m=2,
+2 gloo ranks, 3 optimizer steps of AdamW. Contestants, run one after the other:
+
+- `ddp`: Accelerate's documented `accumulate()` loop (Accelerator(cpu=True), which wraps the
+  model in torch DDP; no_sync on all but the last microbatch), the loop a user writes instead;
+- `accum-train --layout shard --sync every|last`, and `--layout replicate` for comparison.
+
+Per contestant and rank: VmHWM (the peak resident set) at the end of training (before accum-train
+writes final/, which the DDP loop does not do), and the RSS just before the
+model is built (the libraries: torch, transformers, accelerate), so the table shows the whole
+peak and the part above that floor, which is what the training costs.
+
+    .venv/bin/python bench/memory.py          # about 2 minutes on 2 cores
+
+A benchmark, not a test: it exits 0 whatever the ratios are, non-zero only on a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, SEQ, G, M, W, STEPS = 32000, 512, 1376, 4, 8, 128, 8, 2, 2, 3
+
+
+def rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def report(name: str, floor: float, peak: float) -> None:
+    """Every rank's floor and peak, printed by rank 0 as one JSON line."""
+    import torch.distributed as dist
+
+    mine = {"floor": floor, "peak": peak}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"name": name, "ranks": every}), flush=True)
+
+
+def write_workload(root: Path) -> tuple[Path, Path]:
+    import torch
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(root / "model")
+    ByT5Tokenizer().save_pretrained(root / "model")
+    g = torch.Generator().manual_seed(1)
+    with open(root / "data.jsonl", "w") as f:
+        for row in torch.randint(3, VOCAB, (G * STEPS, SEQ), generator=g).tolist():
+            f.write(json.dumps({"input_ids": row}) + "\n")
+    return root / "model", root / "data.jsonl"
+
+
+def ddp(model_dir: str, data: str) -> None:
+    """Accelerate's documented gradient-accumulation loop (its DDP on CPU)."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=G // (M * W))
+    floor = rss_mib("VmRSS")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    rows = [json.loads(line)["input_ids"] for line in Path(data).read_text().splitlines()]
+    loader = torch.utils.data.DataLoader(torch.tensor(rows), batch_size=M)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for ids in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    report("ddp (Accelerate accumulate)", floor, rss_mib("VmHWM"))
+    accelerator.end_training()
+
+
+def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
+    """The real CLI in this process; the floor is taken when it starts building the model."""
+    import torch.distributed as dist
+
+    from accum_cli import cli, train
+    from accum_cli import model as modeling
+
+    floor, peak = {}, {}
+    step = train.train_step
+
+    def measured_step(*args, **kwargs):  # the peak of training, before the run writes final/
+        result = step(*args, **kwargs)
+        peak["hwm"] = rss_mib("VmHWM")
+        return result
+
+    train.train_step = measured_step
+    for build in ("build_sharded", "build_replicated"):
+        original = getattr(modeling, build)
+
+        def measured(*args, _original=original, **kwargs):
+            floor.setdefault("rss", rss_mib("VmRSS"))
+            return _original(*args, **kwargs)
+
+        setattr(modeling, build, measured)
+    out = Path(data).parent / name.replace(" ", "-")  # the same folder on every rank
+    sys.argv = ["accum-train", "--model", model_dir, "--dataset", data, "--seq-len", str(SEQ), "--global-batch", str(G),
+                "--micro-batch", str(M), "--max-steps", str(STEPS), "--lr", "1e-4", "--weight-decay", "0",
+                "--output-dir", str(out), "--log-every", "100", *flags]  # fmt: skip
+    exit_process = cli.exit_process
+
+    def exit_with_report(code: int) -> None:
+        if code == 0 and dist.is_initialized():
+            report(name, floor["rss"], peak["hwm"])
+        exit_process(code)
+
+    cli.exit_process = exit_with_report
+    cli.entry()
+
+
+CONTESTANTS = {
+    "ddp": ["ddp"],
+    "shard-every": ["accum", "accum-train shard every", "--layout", "shard", "--sync", "every"],
+    "shard-last": ["accum", "accum-train shard last", "--layout", "shard", "--sync", "last"],
+    "replicate": ["accum", "accum-train replicate", "--layout", "replicate"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    if os.environ.get("BENCH_MEMORY_ROLE"):  # a rank
+        kind, *rest = sys.argv[1:]
+        if kind == "ddp":
+            ddp(*rest)
+        else:
+            accum_train(*rest)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", BENCH_MEMORY_ROLE="rank",
+               PYTHONPATH=f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
+    torchrun = Path(sys.executable).with_name("torchrun")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data = write_workload(Path(tmp))
+        for key, (kind, *args) in CONTESTANTS.items():
+            cmd = [str(torchrun), f"--nproc_per_node={W}", f"--master_port={free_port()}", __file__,
+                   kind, str(model_dir), str(data), *args]  # fmt: skip
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if done.returncode != 0 or line is None:
+                sys.exit(f"{key} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            results.append(json.loads(line[len("RESULT ") :]))
+    n_params = 2 * VOCAB * HIDDEN + LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN) + HIDDEN
+    print(f"Llama vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, untied: {n_params / 1e6:.1f}M parameters "
+          f"({16 * n_params / 2**20:.0f} MiB of fp32 training state); seq {SEQ}, G={G}, m={M}, {W} gloo ranks")  # fmt: skip
+    base = max(r["peak"] for r in results[0]["ranks"]), max(r["peak"] - r["floor"] for r in results[0]["ranks"])
+    print(f"{'contestant':32} {'peak MiB (max rank)':>20} {'vs ddp':>7} {'above floor':>12} {'vs ddp':>7}")
+    for r in results:
+        peak = max(x["peak"] for x in r["ranks"])
+        above = max(x["peak"] - x["floor"] for x in r["ranks"])
+        print(f"{r['name']:32} {peak:20.0f} {peak / base[0]:7.2f} {above:12.0f} {above / base[1]:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
