@@ -1,7 +1,8 @@
-"""On one CUDA GPU: the estimate next to torch.cuda.max_memory_allocated, for a ~1B Llama in bf16.
+"""On one CUDA GPU, for a ~1B Llama in bf16: the estimate next to torch.cuda.max_memory_allocated,
+then accum-train's own tokens/s and MFU, eager and with --compile.
 
     python bench/gpu_check.py                       # seq len 2048, m in {1, 2}, every and last (< 5 min on an H200)
-    python bench/gpu_check.py --micro-batch 1 4 --seq-len 1024
+    python bench/gpu_check.py --micro-batch 1 4 --seq-len 1024 --no-speed
 
 For each sync policy and micro batch it prints the estimate (estimate.py: fake model, fake world
 of 1, CPU) and, from bench/measure_peak.py run on the GPU (one rank, NCCL), the peak that
@@ -29,7 +30,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--sync", nargs="+", default=["every", "last"])
     parser.add_argument("--layers", type=int, default=16, help="decoder layers of the Llama-3.2-1B shape")
+    parser.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time accum-train itself (8 steps of G=16, eager and compiled)")  # fmt: skip
     return parser.parse_args(argv)
+
+
+def speed(model_dir: Path, seq_len: int, micro_batch: int, tmp: Path) -> None:
+    """accum-train's CLI as a user runs it, bf16 on this GPU: median tokens/s and MFU (metrics.jsonl,
+    whose MFU uses the GPU's bf16 peak) of steps 3-8, eager and compiled."""
+    import torch
+
+    data = tmp / "tokens.jsonl"
+    g = torch.Generator().manual_seed(0)
+    with open(data, "w") as f:
+        for row in torch.randint(3, 128000, (128, seq_len), generator=g).tolist():
+            f.write(json.dumps({"input_ids": row}) + "\n")
+    print(f"accum-train, bf16, seq len {seq_len}, G=16, m={micro_batch}, steps 3-8")
+    for compiled in (False, True):
+        out = tmp / f"run-{compiled}"
+        cmd = [sys.executable, "-m", "accum_cli", "--model", str(model_dir), "--dataset", str(data),
+               "--seq-len", str(seq_len), "--global-batch", "16", "--micro-batch", str(micro_batch),
+               "--max-steps", "8", "--precision", "bf16", "--lr", "1e-4", "--output-dir", str(out),
+               "--compile" if compiled else "--no-compile"]  # fmt: skip
+        started = time.perf_counter()
+        done = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
+        if done.returncode:
+            print(f"compile={compiled}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            continue
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][2:]
+        tps = sorted(r["tokens_per_s"] for r in rows)[len(rows) // 2]
+        mfu = sorted(r.get("mfu", float("nan")) for r in rows)[len(rows) // 2]
+        print(f"compile={compiled!s:<5} {tps:>10,.0f} tokens/s  MFU {mfu:.1%}  "
+              f"(run {time.perf_counter() - started:.0f} s, peak memory {rows[-1]['peak_mem_gib']:.1f} GiB)")  # fmt: skip
 
 
 def main() -> None:
@@ -78,6 +110,11 @@ def main() -> None:
                 f"{sync:<6} {m:>2} {got.peak / 2**30:>13.2f} {row['peak'] / 2**30:>12.2f} {alloc / 2**30:>14.2f} "
                 f"{got.peak / alloc:>9.2f}"
             )
+        if args.speed:
+            from transformers import ByT5Tokenizer
+
+            ByT5Tokenizer().save_pretrained(model_dir)
+            speed(model_dir, args.seq_len, max(args.micro_batch), Path(tmp))
 
 
 if __name__ == "__main__":
