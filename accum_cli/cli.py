@@ -166,7 +166,7 @@ def main(
         from accum_cli.checkpoint import EXIT_SAVE_FAILED, SaveFailed
         from accum_cli.loop import NonFiniteError
         from accum_cli.signals import EXIT_PREEMPTED, watch_launcher
-        from accum_cli.train import Preempted, run
+        from accum_cli.train import AlreadyFinished, Preempted, run
 
         watch_launcher()
         try:
@@ -181,6 +181,9 @@ def main(
             if os.environ.get(WRAPPED):  # the --nproc wrapper names the lost rank in its own line
                 raise SystemExit(EXIT_PEER_LOST) from None
             fail(f"lost contact with another rank mid-run (it died or hung); {_last_checkpoint(cfg)}", EXIT_PEER_LOST)
+        except AlreadyFinished as exc:
+            if env_rank() == 0:
+                print(f"accum-train: {exc}", flush=True)
         except Preempted as exc:
             if env_rank() == 0:
                 print(f"accum-train: {exc}", file=sys.stderr, flush=True)

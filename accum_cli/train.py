@@ -281,6 +281,18 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
+        if resume == RESUME_AUTO and meta.step == total_steps and finished(out, meta):
+            raise AlreadyFinished(
+                f"nothing to do: {out} already finished its {total_steps} steps and holds {out / 'final'}; "
+                "raise --max-steps to train on"
+            )
+        if meta.step == total_steps and not finished(out, meta):
+            final = out / "final"
+            aside = f"mv {final} {out / 'final.old'} && " if final.exists() else ""
+            raise UserError(
+                f"--resume {meta.path} is the run's last step ({total_steps}) but final/ was not written after it; "
+                f"write it with `{aside}accum-export {meta.path} {final}`, or raise --max-steps to train on"
+            )
         raise UserError(
             f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
         )
@@ -329,6 +341,18 @@ def split_for_eval(dataset, ratio: float, seed: int):
     held = min(max(1, round(n * ratio)), n - 1)
     order = np.random.default_rng([seed, 0x5EED]).permutation(n)
     return dataset.select(np.sort(order[held:])), dataset.select(np.sort(order[:held]))
+
+
+class AlreadyFinished(Exception):
+    """--resume auto on a run that completed: the same command run again (a requeue after the
+    end, a restarted pod) succeeds without touching anything."""
+
+
+def finished(out: Path, meta: checkpoint.Meta) -> bool:
+    """final/ was written after the last checkpoint, by the run or by accum-export (both write
+    whole folders by a rename, so a config.json there means a complete model)."""
+    written = out / "final" / "config.json"
+    return written.is_file() and written.stat().st_mtime >= (meta.path / checkpoint.META).stat().st_mtime
 
 
 class Preempted(Exception):

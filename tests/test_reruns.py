@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import BIN, REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from safetensors.torch import load_file
 
 slow = pytest.mark.distributed  # real training subprocesses (one rank each): the slow set
@@ -103,6 +103,21 @@ def test_one_command_line_survives_two_preemptions_bit_for_bit(root, tmp_path):
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in want]
     assert_same_model(out, reference)
+
+    # The same command once more (a requeue after the end, a restarted pod): nothing to do, exit 0,
+    # nothing touched.
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    again = ok(run_cli(command))
+    assert f"nothing to do: {out} already finished its {steps} steps" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    # ... but not where final/ is older than the last checkpoint (killed between the two writes):
+    # the line says how to write it, and its advice works.
+    os.utime(out / f"checkpoints/step-{steps:06d}/meta.json")
+    refused = run_cli(command)
+    assert refused.returncode == 2 and "but final/ was not written after it; write it with `mv " in refused.stderr
+    advice = refused.stderr.split("`")[1]
+    ok(subprocess.run(advice.replace("accum-export", str(BIN / "accum-export")), shell=True, capture_output=True))
+    assert "nothing to do" in ok(run_cli(command)).stdout
 
 
 @slow
