@@ -470,10 +470,12 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
 
     trackers = None
     if rt.is_main:
-        hparams = _write_run_record(s, cfg, start_step)
+        hparams, logged_until = _write_run_record(s, cfg, start_step)
         names = tracking.parse(cfg.report_to)
         if names:
-            trackers = tracking.Trackers(names, run_name(cfg), s.output_dir, hparams, resume_step=start_step)
+            trackers = tracking.Trackers(
+                names, run_name(cfg), s.output_dir, hparams, resume_step=start_step, logged_until=logged_until
+            )
     dist.barrier()
 
     record = {
@@ -577,11 +579,13 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
         )
 
 
-def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
-    """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json."""
+def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> tuple[dict, int]:
+    """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json.
+    Returns the record and the last step a previous attempt logged (0 for a fresh run)."""
     out = s.output_dir
+    logged_until = 0
     if s.resume is not None:
-        keep_metrics_until(out, start_step)
+        logged_until = keep_metrics_until(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         outdir.clear_previous_run(out)
     if not outdir.is_marked(out):
@@ -606,7 +610,7 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
         "resumed_from": str(s.resume.path) if s.resume else None,
     }
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return record, logged_until
 
 
 def _pad_id(s: Setup) -> int:
