@@ -35,11 +35,12 @@ def scalars(logdir: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     found: dict[str, dict[int, float]] = {}
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    for folder in sorted({events.parent for events in logdir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             for event in acc.Scalars(tag):
+                assert event.step not in found.get(tag, {}), f"{tag} twice at step {event.step}"
                 found.setdefault(tag, {})[event.step] = event.value
     return found
 
