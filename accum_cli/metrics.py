@@ -140,15 +140,20 @@ class Reporter:
         return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
 
 
-def keep_metrics_until(output_dir: Path, step: int) -> int:
-    """On resume from a checkpoint after `step` steps: drop the later records; they are about to be redone.
-    Returns the last step the previous attempt recorded (0 if none): what the trackers were already sent."""
+def keep_metrics_until(output_dir: Path, step: int) -> None:
+    """On resume from a checkpoint after `step` steps: drop the later records; they are about to be redone."""
+    path = output_dir / "metrics.jsonl"
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def last_logged_step(output_dir: Path) -> int:
+    """The last step metrics.jsonl records (0 if none): what the trackers were sent before a resume."""
     path = output_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    records = [(line, json.loads(line)["step"]) for line in path.read_text().splitlines() if line]
-    path.write_text("".join(line + "\n" for line, done in records if done <= step))
-    return max((done for _, done in records), default=0)
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line), default=0)
 
 
 def print_lines(lines: list[str], title: str) -> None:

@@ -73,6 +73,8 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+# What to do when a tracker cannot start, where one thing usually fixes it.
+START_FIXES = {"wandb": "log in (wandb login, or WANDB_API_KEY) or log offline with WANDB_MODE=offline"}
 PROJECT = "accum-train"  # the W&B / trackio project unless WANDB_PROJECT / TRACKIO_PROJECT says otherwise
 IDS = "ids.json"  # under FOLDER: the tracker run ids of this run, the same across --resume
 CONTINUED = ("wandb", "trackio")  # trackers whose run a resume continues, and which keep every step logged
@@ -148,7 +150,10 @@ class Trackers:
                 tracker.start()
                 tracker.store_init_configuration(flat_hparams(hparams))
             except Exception as exc:  # a tracker that cannot start (no login, no server) stops the run here
-                raise UserError(f"--report-to {name}: the tracker could not start ({str(exc)[:200]})") from None
+                fix = START_FIXES.get(name, "fix its setup")
+                raise UserError(
+                    f"--report-to {name}: the tracker could not start ({str(exc)[:200]}); {fix}, or drop it from --report-to"
+                ) from None
             first = logged_until + 1 if name in CONTINUED else 0
             self.trackers.append((tracker, first))
 

@@ -186,6 +186,34 @@ def test_tensorboard_holds_every_metric_of_every_step_once_a_resume_and_an_overw
     assert sorted(logged["loss"]) == [m["step"] for m in final], "one value per step, none twice"
 
 
+def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run_behind(root, tmp_path, monkeypatch):
+    """W&B online with no API key (a home of its own, no network): refused before any step, and the same
+    command with WANDB_MODE=offline then runs in that folder (no config.json of a run that never began)."""
+    if not importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is a dev extra: pip install -e '.[dev]'")
+    for name in (*TRACKER_ENV, "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "accum_cli", *args(root, out, 1, "--report-to", "wandb")]
+    isolated = {
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home),
+        "WANDB_CACHE_DIR": str(home),
+        "NETRC": str(home / "netrc"),
+    }
+    result = subprocess.run(command, cwd=REPO, env=env(**isolated, WANDB_MODE="online"), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("accum-train: error:")]
+    assert len(errors) == 1 and "--report-to wandb: the tracker could not start" in errors[0], result.stderr
+    assert "WANDB_MODE=offline" in errors[0] and "Traceback" not in result.stderr
+    assert not (out / "config.json").exists() and not (out / "metrics.jsonl").exists()
+    again = subprocess.run(command, cwd=REPO, env=env(**isolated, WANDB_MODE="offline"), stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
 def test_a_tracker_that_is_not_installed_names_its_package(root, tmp_path, monkeypatch, name):
     real = importlib.util.find_spec
