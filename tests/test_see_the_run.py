@@ -214,6 +214,18 @@ def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run_behind(root, 
     assert again.returncode == 0, again.stdout + again.stderr
 
 
+def test_the_wandb_run_id_is_new_for_a_fresh_run_and_kept_by_a_resume(tmp_path):
+    from accum_cli.tracking import IDS, run_ids
+
+    first = run_ids(tmp_path, fresh=True)["wandb"]
+    assert run_ids(tmp_path, fresh=False)["wandb"] == first
+    assert run_ids(tmp_path, fresh=True)["wandb"] != first, "a fresh run (--overwrite) must not merge into the old"
+    for bad in ('{"wandb": "../x"}', "[1, 2]", "not json"):  # a damaged file: a new run, never a crash
+        (tmp_path / IDS).write_text(bad)
+        renewed = run_ids(tmp_path, fresh=False)["wandb"]
+        assert renewed.isalnum() and json.loads((tmp_path / IDS).read_text())["wandb"] == renewed
+
+
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
 def test_a_tracker_that_is_not_installed_names_its_package(root, tmp_path, monkeypatch, name):
     real = importlib.util.find_spec
