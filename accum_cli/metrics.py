@@ -148,6 +148,14 @@ def keep_metrics_until(output_dir: Path, step: int) -> None:
         path.write_text("".join(line + "\n" for line in lines))
 
 
+def last_logged_step(output_dir: Path) -> int:
+    """The last step metrics.jsonl records (0 if none): what the trackers were sent before a resume."""
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line), default=0)
+
+
 def print_lines(lines: list[str], title: str) -> None:
     print(f"── {title} " + "─" * max(0, 60 - len(title)), flush=True)
     for line in lines:

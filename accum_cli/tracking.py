@@ -9,6 +9,10 @@ plan as hyper-parameters. A tracker whose package is missing is refused before a
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
+import secrets
 from pathlib import Path
 
 from accum_cli.errors import UserError
@@ -69,31 +73,89 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-class Trackers:
-    """The run's trackers on rank 0; logs nothing when none were asked for."""
+# What to do when a tracker cannot start, where one thing usually fixes it.
+START_FIXES = {"wandb": "log in (wandb login, or WANDB_API_KEY) or log offline with WANDB_MODE=offline"}
+PROJECT = "accum-train"  # the W&B / trackio project unless WANDB_PROJECT / TRACKIO_PROJECT says otherwise
+IDS = "ids.json"  # under FOLDER: the tracker run ids of this run, the same across --resume
+CONTINUED = ("wandb", "trackio")  # trackers whose run a resume continues, and which keep every step logged
 
-    def __init__(self, names: list[str], run_name: str, output_dir: Path, hparams: dict, resume_step: int = 0):
+
+def run_ids(folder: Path, fresh: bool) -> dict[str, str]:
+    """This run's W&B id: new for a fresh run (even in a reused --output-dir, so runs never merge),
+    read back on a resume so the tracker continues the same run."""
+    path = folder / IDS
+    if not fresh and path.is_file():
+        try:
+            ids = json.loads(path.read_text())
+            if isinstance(ids, dict) and re.fullmatch(r"[a-z0-9]{8,64}", str(ids.get("wandb", ""))):
+                return ids
+        except (OSError, ValueError):
+            pass  # unreadable: a new id below; the tracker starts a new run rather than fail the resume
+    ids = {"wandb": secrets.token_hex(8)}
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ids) + "\n")
+    return ids
+
+
+class Trackers:
+    """The run's trackers on rank 0; logs nothing when none were asked for.
+
+    A resumed run redoes the steps after its checkpoint. TensorBoard drops its old events from the
+    checkpoint's step on (purge_step). W&B and trackio continue the same run and cannot rewrite its
+    history, so they are sent only the steps they never got (after `logged_until`, the last step of
+    the attempt before): each step once, redone steps keep the values first logged. Other trackers
+    start a new run on each attempt and get every step.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        run_name: str,
+        output_dir: Path,
+        hparams: dict,
+        resume_step: int = 0,
+        logged_until: int = 0,
+    ):
+        from accelerate import PartialState
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
-        self.trackers = []
+        # Accelerate's tracker classes log through its logger, which refuses to run before its process
+        # state exists; TensorBoard's class creates it on the way (main_process_only), W&B's and trackio's
+        # do not. The process group already exists: the state adopts it.
+        PartialState()
+        folder = output_dir / FOLDER
+        self.trackers = []  # (tracker, the first step it is sent)
         for name in names:
             cls = LOGGER_TYPE_TO_CLASS[name]
-            kwargs = {}
-            if name == "tensorboard" and resume_step:
-                # A resumed run redoes the steps after its checkpoint: drop the old ones.
+            kwargs, project = {}, run_name
+            if name == "tensorboard":
+                # From 1 on a fresh run too: an --overwrite run in the same folder hides the old run's steps.
                 kwargs["purge_step"] = resume_step + 1
             if name == "wandb":
-                kwargs.update(id=run_name, resume="allow")  # a restart continues the same W&B run
-            if cls.requires_logging_directory:
-                tracker = cls(run_name, str(output_dir / FOLDER), **kwargs)
-            else:
-                tracker = cls(run_name, **kwargs)
+                # Accelerate passes its first argument as wandb.init's project.
+                project = os.environ.get("WANDB_PROJECT") or PROJECT
+                kwargs.update(name=run_name, id=run_ids(folder, fresh=not resume_step)["wandb"], resume="allow")
+                if not os.environ.get("WANDB_DIR"):  # wandb/ (offline runs too) under the output dir
+                    folder.mkdir(parents=True, exist_ok=True)
+                    kwargs["dir"] = str(folder)
+            if name == "trackio":
+                project = os.environ.get("TRACKIO_PROJECT") or PROJECT
+                kwargs.update(name=run_name, resume="allow" if resume_step else "never", embed=False)
+                # trackio reads TRACKIO_DIR once, when it is imported (in start() below): its local database
+                # goes under the output dir unless the user chose a place.
+                os.environ.setdefault("TRACKIO_DIR", str(folder / "trackio"))
+            args = (run_name, str(folder)) if cls.requires_logging_directory else (project,)
+            tracker = cls(*args, **kwargs)
             try:
                 tracker.start()
                 tracker.store_init_configuration(flat_hparams(hparams))
             except Exception as exc:  # a tracker that cannot start (no login, no server) stops the run here
-                raise UserError(f"--report-to {name}: the tracker could not start ({str(exc)[:200]})") from None
-            self.trackers.append(tracker)
+                fix = START_FIXES.get(name, "fix its setup")
+                raise UserError(
+                    f"--report-to {name}: the tracker could not start ({str(exc)[:200]}); {fix}, or drop it from --report-to"
+                ) from None
+            first = logged_until + 1 if name in CONTINUED else 0
+            self.trackers.append((tracker, first))
 
     @classmethod
     def none(cls) -> Trackers:
@@ -104,9 +166,12 @@ class Trackers:
 
     def log(self, record: dict) -> None:
         values = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-        for tracker in self.trackers:
-            tracker.log(values, step=record["step"])
+        for tracker, first in self.trackers:
+            if record["step"] >= first:
+                tracker.log(values, step=record["step"])
 
     def close(self) -> None:
-        for tracker in self.trackers:
+        """Finish every tracker: W&B's writer runs in a service process and trackio's in a thread, and
+        the process ends with os._exit (runtime.exit_process), which waits for neither."""
+        for tracker, _ in self.trackers:
             tracker.finish()

@@ -38,7 +38,7 @@ from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, print_lines
+from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, last_logged_step, print_lines
 from accum_cli.plan import Plan
 from accum_cli.runtime import env_rank
 from accum_cli.sharding import ShardSettings
@@ -497,10 +497,16 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
 
     trackers = None
     if rt.is_main:
-        hparams = _write_run_record(s, cfg, start_step)
+        if not outdir.is_marked(s.output_dir):  # claimed before a tracker writes into it
+            outdir.mark(s.output_dir, "run")
+        run_record = _run_record(s, cfg)
         names = tracking.parse(cfg.report_to)
-        if names:
-            trackers = tracking.Trackers(names, run_name(cfg), s.output_dir, hparams, resume_step=start_step)
+        if names:  # before config.json: a tracker that cannot start leaves no run that blocks a rerun
+            logged_until = last_logged_step(s.output_dir) if s.resume is not None else 0
+            trackers = tracking.Trackers(
+                names, run_name(cfg), s.output_dir, run_record, resume_step=start_step, logged_until=logged_until
+            )
+        _write_run_record(s, start_step, run_record)
     dist.barrier()
 
     record = {
@@ -604,19 +610,9 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
         )
 
 
-def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
-    """Rank 0, under the lock: claim the folder, clear a previous run of ours if asked, write config.json."""
-    out = s.output_dir
-    if s.resume is not None:
-        keep_metrics_until(out, start_step)
-    else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
-        outdir.clear_previous_run(out)
-    if not outdir.is_marked(out):
-        outdir.mark(out, "run")
-    removed = checkpoint.tidy(out)
-    if removed:
-        print(f"removed what an interrupted save left: {', '.join(removed)}", flush=True)
-    record = {
+def _run_record(s: Setup, cfg: TrainConfig) -> dict:
+    """What config.json holds, and the trackers' hyper-parameters: the resolved configuration and the plan."""
+    return {
         "config": cfg.to_dict() | {"seq_len": s.seq_len},
         "plan": {
             "global_batch": s.plan.global_batch,
@@ -632,8 +628,19 @@ def _write_run_record(s: Setup, cfg: TrainConfig, start_step: int) -> dict:
         },
         "resumed_from": str(s.resume.path) if s.resume else None,
     }
+
+
+def _write_run_record(s: Setup, start_step: int, record: dict) -> None:
+    """Rank 0, under the lock, in a folder already claimed: clear a previous run of ours if asked, write config.json."""
+    out = s.output_dir
+    if s.resume is not None:
+        keep_metrics_until(out, start_step)
+    else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
+        outdir.clear_previous_run(out)
+    removed = checkpoint.tidy(out)
+    if removed:
+        print(f"removed what an interrupted save left: {', '.join(removed)}", flush=True)
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
 
 
 def _pad_id(s: Setup) -> int:

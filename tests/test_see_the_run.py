@@ -1,8 +1,11 @@
-"""See the run: TensorBoard receives every metric, report.png pictures the run, accum-report
-draws a run from the outside, and the console follows --log-every."""
+"""See the run: TensorBoard, W&B (offline) and trackio (local) receive every metric, report.png
+pictures the run, accum-report draws a run from the outside, and the console follows --log-every."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -32,31 +35,208 @@ def scalars(logdir: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     found: dict[str, dict[int, float]] = {}
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    for folder in sorted({events.parent for events in logdir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             for event in acc.Scalars(tag):
+                assert event.step not in found.get(tag, {}), f"{tag} twice at step {event.step}"
                 found.setdefault(tag, {})[event.step] = event.value
     return found
 
 
-def test_tensorboard_holds_every_metric_of_every_step_and_a_resume_adds_no_duplicates(root, tmp_path):
-    out = tmp_path / "run"
-    first = run_cli(args(root, out, 3, "--report-to", "tensorboard", "--checkpoint-every", "2"))
-    assert first.returncode == 0, first.stdout + first.stderr
-    # The run goes on to step 5 from its step-2 checkpoint: steps 3.. are logged again, once.
-    resumed = run_cli(args(root, out, 5, "--report-to", "tensorboard", "--resume",
-                           str(out / "checkpoints" / "step-000002")))  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    metrics = read_metrics(out)
+DETERMINISTIC = ("loss", "loss_tokens", "tokens", "grad_norm", "lr")  # the same when a resume redoes a step
+RESUME_STEP = 2  # the checkpoint the resumed run starts from; the first run went on to step 3
+TRACKER_ENV = ("WANDB_DIR", "WANDB_PROJECT", "WANDB_MODE", "TRACKIO_DIR", "TRACKIO_PROJECT")
+
+
+def wandb_records(path: Path):
+    """The records of a .wandb file (W&B's own protobuf Record, in the LevelDB-log framing its writer uses:
+    a 7-byte header, then 32 KiB blocks of chunks [crc32c u32, length u16, type u8: 1 full, 2 first,
+    3 middle, 4 last]). wandb 0.31 ships no Python reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, parts = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B", "not a .wandb file"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record
+
+
+def wandb_runs(folder: Path) -> list[dict]:
+    """Every offline W&B run segment under `folder`, in start order: its run id, config and history."""
+    runs = []
+    for path in folder.rglob("*.wandb"):
+        run = {"history": [], "config": {}}
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run.update(id=record.run.run_id, project=record.run.project, name=record.run.display_name,
+                           start=record.run.start_time.ToMicroseconds())  # fmt: skip
+            elif kind == "config":
+                run["config"].update({i.key: json.loads(i.value_json) for i in record.config.update})
+            elif kind == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                row = {k: v for k, v in row.items() if not k.startswith("_")}
+                run["history"].append((record.history.step.num, row))
+        runs.append(run)
+    return sorted(runs, key=lambda run: run["start"])
+
+
+TRACKIO_READER = """
+import json, sys
+from trackio.sqlite_storage import SQLiteStorage
+project = sys.argv[1]
+runs = [(r["name"], r["created_at"], SQLiteStorage.get_logs(project, r["name"], run_id=r["id"]))
+        for r in SQLiteStorage.get_run_records(project)]
+print(json.dumps(sorted(runs, key=lambda run: run[1])))
+"""
+
+
+def trackio_runs(folder: Path, project: str = "accum-train") -> list[tuple[str, list[dict]]]:
+    """Every run of a local trackio project, oldest first: (name, logs), read by trackio's own storage
+    class (in a subprocess: trackio reads TRACKIO_DIR once, on import)."""
+    result = subprocess.run([sys.executable, "-c", TRACKIO_READER, project], env=env(TRACKIO_DIR=str(folder)),
+                            capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return [(name, logs) for name, _, logs in json.loads(result.stdout)]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(root, tmp_path_factory) -> dict:
+    """One output dir, three runs logging to W&B (offline), trackio and TensorBoard: a 2-step run at another
+    lr, then a fresh 3-step run over it (--overwrite), then a resume from its step-2 checkpoint to step 5."""
+    if not (importlib.util.find_spec("wandb") and importlib.util.find_spec("trackio")):
+        pytest.skip("wandb and trackio are dev extras: pip install -e '.[dev]'")
+    out = tmp_path_factory.mktemp("trackers") / "run"
+    home = out.parent / "wandb-home"  # W&B's settings and caches, away from the user's home
+    extra = {"WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(home), "WANDB_CACHE_DIR": str(home),
+             "WANDB_DATA_DIR": str(home)}  # fmt: skip
+    report = ("--report-to", "wandb,trackio,tensorboard")
+    with pytest.MonkeyPatch.context() as mp:  # the defaults under test: nothing from the caller's environment
+        for name in TRACKER_ENV:
+            mp.delenv(name, raising=False)
+        other = run_cli(args(root, out, 2, *report, "--lr", "3e-3"), env_extra=extra)
+        assert other.returncode == 0, other.stdout + other.stderr
+        first = run_cli(args(root, out, 3, *report, "--overwrite", "--checkpoint-every", "2"), env_extra=extra)
+        assert first.returncode == 0, first.stdout + first.stderr
+        first_metrics = read_metrics(out)
+        resumed = run_cli(args(root, out, 5, *report, "--resume", str(out / "checkpoints" / f"step-{RESUME_STEP:06d}")),
+                          env_extra=extra)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    return {"out": out, "first": first_metrics, "final": read_metrics(out)}
+
+
+def assert_logged_once_each(logged: list[tuple[int, dict]], run: dict) -> None:
+    """A continued tracker run holds every step of metrics.jsonl once; a step the resume redid keeps the
+    values first logged (all equal to the redone ones but the timings), every other step equals metrics.jsonl."""
+    final = run["final"]
+    assert [step for step, _ in logged] == [m["step"] for m in final], "each step once, in order"
+    redone = {m["step"]: m for m in run["first"] if m["step"] > RESUME_STEP}
+    assert redone, "the resume redid no step: the test would prove nothing"
+    for (step, row), m in zip(logged, final, strict=True):
+        source = redone.get(step, m)
+        numeric = {k: v for k, v in source.items() if isinstance(v, (int, float)) and k != "step"}
+        assert set(row) == set(numeric), (step, set(row) ^ set(numeric))
+        for key, value in numeric.items():
+            assert row[key] == pytest.approx(value, rel=1e-9), (step, key)
+        for key in DETERMINISTIC:
+            assert row[key] == pytest.approx(m[key], rel=1e-9), (step, key)
+
+
+def test_wandb_offline_holds_every_metric_once_and_a_resume_continues_the_same_run(resumed_run):
+    out = resumed_run["out"]
+    runs = wandb_runs(out / "trackers" / "wandb")
+    run_id = json.loads((out / "trackers" / "ids.json").read_text())["wandb"]
+    ours = [run for run in runs if run["id"] == run_id]
+    assert len(runs) == 3 and len(ours) == 2, "the --overwrite run is a new W&B run; the resume continues it"
+    assert all(run["project"] == "accum-train" and run["name"] == "run" for run in runs)
+    assert ours[0]["config"]["plan.accum_steps"] == 2 and ours[0]["config"]["config.global_batch"] == 8
+    assert_logged_once_each(ours[0]["history"] + ours[1]["history"], resumed_run)
+
+
+def test_trackio_holds_every_metric_once_and_a_resume_continues_the_same_run(resumed_run):
+    out = resumed_run["out"]
+    runs = trackio_runs(out / "trackers" / "trackio")
+    assert [name for name, _ in runs] == ["run", "run"], "the --overwrite run is a new trackio run; the resume is not"
+    logged = [(row.pop("step"), {k: v for k, v in row.items() if k != "timestamp"}) for row in runs[1][1]]
+    assert_logged_once_each(logged, resumed_run)
+
+
+def test_tensorboard_holds_every_metric_of_every_step_once_a_resume_and_an_overwrite_included(resumed_run):
+    out, final = resumed_run["out"], resumed_run["final"]
     logged = scalars(out / "trackers")
-    numeric = {k for m in metrics for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
+    numeric = {k for m in final for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
     assert numeric <= set(logged), numeric - set(logged)
-    for m in metrics:
+    # TensorBoard drops the steps a resume redoes, and a fresh run's steps hide those of the run it
+    # overwrote (--lr 3e-3 there: other lr values at steps 1 and 2): it holds metrics.jsonl exactly.
+    for m in final:
         for key in numeric & set(m):
             assert logged[key][m["step"]] == pytest.approx(m[key], rel=1e-6), (key, m["step"])
-    assert sorted(logged["loss"]) == [m["step"] for m in metrics], "one value per step, none twice"
+    assert sorted(logged["loss"]) == [m["step"] for m in final], "one value per step, none twice"
+
+
+def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run_behind(root, tmp_path, monkeypatch):
+    """W&B online with no API key (a home of its own, no network): refused before any step, and the same
+    command with WANDB_MODE=offline then runs in that folder (no config.json of a run that never began)."""
+    if not importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is a dev extra: pip install -e '.[dev]'")
+    for name in (*TRACKER_ENV, "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "accum_cli", *args(root, out, 1, "--report-to", "wandb")]
+    isolated = {
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home),
+        "WANDB_CACHE_DIR": str(home),
+        "NETRC": str(home / "netrc"),
+    }
+    result = subprocess.run(command, cwd=REPO, env=env(**isolated, WANDB_MODE="online"), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("accum-train: error:")]
+    assert len(errors) == 1 and "--report-to wandb: the tracker could not start" in errors[0], result.stderr
+    assert "WANDB_MODE=offline" in errors[0] and "Traceback" not in result.stderr
+    assert not (out / "config.json").exists() and not (out / "metrics.jsonl").exists()
+    again = subprocess.run(command, cwd=REPO, env=env(**isolated, WANDB_MODE="offline"), stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_the_wandb_run_id_is_new_for_a_fresh_run_and_kept_by_a_resume(tmp_path):
+    from accum_cli.tracking import IDS, run_ids
+
+    first = run_ids(tmp_path, fresh=True)["wandb"]
+    assert run_ids(tmp_path, fresh=False)["wandb"] == first
+    assert run_ids(tmp_path, fresh=True)["wandb"] != first, "a fresh run (--overwrite) must not merge into the old"
+    for bad in ('{"wandb": "../x"}', "[1, 2]", "not json"):  # a damaged file: a new run, never a crash
+        (tmp_path / IDS).write_text(bad)
+        renewed = run_ids(tmp_path, fresh=False)["wandb"]
+        assert renewed.isalnum() and json.loads((tmp_path / IDS).read_text())["wandb"] == renewed
+
+
+@pytest.mark.parametrize("name", ["wandb", "trackio"])
+def test_a_tracker_that_is_not_installed_names_its_package(root, tmp_path, monkeypatch, name):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module, *a: None if module == name else real(module, *a))
+    result = CliRunner().invoke(app, args(root, tmp_path / "out", 1, "--report-to", name))
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        f"accum-train: error: --report-to {name} needs the {name} package: pip install {name} "
+        f"(or pip install 'accum-train[{name}]'), or drop it from --report-to"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_tracker_is_one_line_naming_the_package(root, tmp_path):
