@@ -1,0 +1,158 @@
+"""--streaming through the real CLI: the same training whatever the world size and micro batch,
+an exact resume from the stream position, a seeded shuffle buffer seen in what training reads,
+and a clean end of the stream."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import read_metrics, rel_err, run_cli, save_tiny_model
+from typer.testing import CliRunner
+
+from accum_cli.cli import app
+
+# G = 7 over W = 2 is uneven (ranks take 4 and 3): the plan's split must hold for a stream too.
+COMMON = ["--streaming", "--seq-len", "32", "--global-batch", "7", "--shuffle-buffer", "16", "--lr", "1e-3"]
+STEPS = 4
+PLAIN = [
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "jolly",
+    "kings",
+    "over",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream")
+    model = save_tiny_model(root / "model")
+    with open(root / "docs.jsonl", "w") as f:  # ~9,000 tokens: about 280 blocks of 32, 40 steps of 7
+        for i in range(60):
+            f.write(json.dumps({"text": " ".join(PLAIN[(i * 5 + k) % len(PLAIN)] for k in range(10 + i % 23))}) + "\n")
+    # Pre-tokenised rows of distinct lengths, shuffled in the file: with a global batch of 1, a
+    # step's loss-token count (length - 1) names the row it trained on.
+    lengths = [5 + (i * 7) % 24 for i in range(24)]
+    assert len(set(lengths)) == 24
+    with open(root / "rows.jsonl", "w") as f:
+        for n in lengths:
+            f.write(json.dumps({"input_ids": [3 + (n + k) % 300 for k in range(n)]}) + "\n")
+    return {"root": root, "model": model, "docs": root / "docs.jsonl", "rows": root / "rows.jsonl", "lengths": lengths}
+
+
+def train(files, out: Path, *extra: str, nproc: int = 1, dataset: str = "docs") -> list[dict]:
+    args = ["--model", str(files["model"]), "--dataset", str(files[dataset]), *extra, "--output-dir", str(out)]
+    result = run_cli(args, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def reference(files) -> Path:
+    """One process, one microbatch of 7 per step, a checkpoint at step 2."""
+    out = files["root"] / "reference"
+    train(files, out, *COMMON, "--micro-batch", "7", "--max-steps", str(STEPS), "--checkpoint-every", "2")
+    return out
+
+
+def losses(metrics: list[dict]) -> list[float]:
+    return [m["loss"] for m in metrics if "loss" in m]
+
+
+@pytest.mark.parametrize("nproc, micro", [(1, 3), (2, 2)])
+def test_the_steps_train_on_the_same_samples_whatever_w_and_m(files, reference, tmp_path, nproc, micro):
+    expected = losses(read_metrics(reference))
+    got = losses(train(files, tmp_path / "run", *COMMON, "--micro-batch", str(micro), "--max-steps", str(STEPS),
+                       nproc=nproc))  # fmt: skip
+    assert len(got) == len(expected) == STEPS
+    for step, (a, b) in enumerate(zip(got, expected, strict=True), 1):
+        assert rel_err(a, b) < 1e-5, f"step {step}: {a} vs {b}"
+
+
+def test_a_resume_continues_the_stream_exactly(files, reference, tmp_path):
+    expected = losses(read_metrics(reference))
+    out = tmp_path / "resumed"
+    shutil.copytree(reference, out)
+    checkpoint = out / "checkpoints" / "step-000002"
+    assert json.loads((checkpoint / "meta.json").read_text())["samples"] == 14  # the stream position
+    result = run_cli(["--model", str(files["model"]), "--dataset", str(files["docs"]), *COMMON, "--micro-batch", "3",
+                      "--max-steps", str(STEPS), "--output-dir", str(out), "--resume", str(checkpoint)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "read again up to sample 14 to resume exactly" in result.stdout
+    got = losses(read_metrics(out))
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, STEPS + 1))
+    for step in range(2, STEPS):  # steps 3 and 4 ran after the resume
+        assert rel_err(got[step], expected[step]) < 1e-5, f"step {step + 1}: {got[step]} vs {expected[step]}"
+
+
+def rows_seen(files, out: Path, *extra: str) -> list[int]:
+    """The rows training read, in order (by their lengths), streaming to the end of the data."""
+    metrics = train(files, out, "--streaming", "--global-batch", "1", "--micro-batch", "1", "--max-steps", "100",
+                    *extra, dataset="rows")  # fmt: skip
+    return [m["loss_tokens"] + 1 for m in metrics if "loss_tokens" in m]
+
+
+def test_the_shuffle_buffer_shuffles_locally_and_by_seed(files, tmp_path):
+    lengths = files["lengths"]
+    in_order = rows_seen(files, tmp_path / "order", "--shuffle-buffer", "0")
+    assert in_order == lengths  # the stream's order, every row once, and a clean stop at its end
+    buffer = 6
+    seed0 = rows_seen(files, tmp_path / "seed0", "--shuffle-buffer", str(buffer), "--seed", "0")
+    again = rows_seen(files, tmp_path / "again", "--shuffle-buffer", str(buffer), "--seed", "0")
+    seed1 = rows_seen(files, tmp_path / "seed1", "--shuffle-buffer", str(buffer), "--seed", "1")
+    for order in (seed0, seed1):
+        assert sorted(order) == sorted(lengths), "every row exactly once"
+        assert order != lengths, "the buffer did not shuffle"
+        # A buffer of N hands a row out at most N places before its place in the stream.
+        assert all(order.index(n) >= lengths.index(n) - buffer for n in lengths)
+    assert again == seed0, "the same seed gives the same order"
+    assert seed1 != seed0, "another seed gives another order"
+
+
+def test_the_end_of_the_stream_ends_the_run_cleanly(files, tmp_path):
+    out = tmp_path / "end"
+    result = run_cli(["--model", str(files["model"]), "--dataset", str(files["rows"]), "--streaming", "--max-steps",
+                      "100", "--global-batch", "5", "--micro-batch", "5", "--output-dir", str(out)])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the stream ends after step 4 (20 samples): the last step" in result.stdout  # 24 rows: 4 whole steps
+    assert [m["step"] for m in read_metrics(out) if "loss" in m] == [1, 2, 3, 4]
+    assert (out / "checkpoints" / "step-000004" / "meta.json").is_file()
+    assert (out / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--streaming needs --max-steps N"),
+        (["--max-steps", "2", "--eval-split-ratio", "0.1"], "--eval-split-ratio cannot hold out part of a stream"),
+        (["--max-steps", "2", "--prepare-only"], "--prepare-only has nothing to prepare with --streaming"),
+        (["--max-steps", "2", "--shuffle-buffer", "-1"], "--shuffle-buffer must be >= 0"),
+        (["--max-steps", "2", "--global-batch", "500"], "the stream holds fewer than one global batch of 500"),
+    ],
+)
+def test_bad_streaming_input_is_one_line_and_exit_2(files, tmp_path, extra, message):
+    out = tmp_path / "out"
+    args = ["--model", str(files["model"]), "--dataset", str(files["rows"]), "--streaming", *extra]
+    result = CliRunner().invoke(app, [*args, "--micro-batch", "1", "--output-dir", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("accum-train: error: ") and message in lines[0], result.output
+    assert not out.exists()
