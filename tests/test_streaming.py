@@ -17,23 +17,8 @@ from accum_cli.cli import app
 # G = 7 over W = 2 is uneven (ranks take 4 and 3): the plan's split must hold for a stream too.
 COMMON = ["--streaming", "--seq-len", "32", "--global-batch", "7", "--shuffle-buffer", "16", "--lr", "1e-3"]
 STEPS = 4
-PLAIN = [
-    "the",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "hex",
-    "jolly",
-    "kings",
-    "over",
-    "the",
-    "quick",
-    "brown",
-    "fox",
-]
+PLAIN = ["the", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "jolly", "kings", "over",
+         "quick", "brown", "fox"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
