@@ -562,17 +562,13 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
             microbatches = read_step(step, samples)
+            next_first = samples + plan.global_batch
             # A stream's end is seen one step ahead (alike on every rank), so that step is the last for
             # evaluation, checkpoints and stop requests too.
-            if (
-                cfg.streaming
-                and step + 1 < end
-                and not streamed.has_step(samples + plan.global_batch, plan.global_batch)
-            ):
+            if cfg.streaming and step + 1 < end and not streamed.has_step(next_first, plan.global_batch):
                 end = step + 1
                 if rt.is_main:
-                    print(f"the stream ends after step {end} ({samples + plan.global_batch:,} samples): the last step",
-                          flush=True)  # fmt: skip
+                    print(f"the stream ends after step {end} ({next_first:,} samples): the last step", flush=True)
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step + 1,
                 cfg.on_nonfinite, cfg.moe_aux_loss,
