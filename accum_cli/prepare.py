@@ -271,12 +271,6 @@ class Job:
     with_mask: bool  # some positions may not count: keep a loss mask
 
 
-def format_columns(fmt: str, text_column: str) -> list[str]:
-    """The columns a format reads (those present, of these)."""
-    return {"tokens": ["input_ids", "labels", "attention_mask"], "chat": ["messages"],
-            "prompt-completion": ["prompt", "completion"], "text": [text_column]}[fmt]  # fmt: skip
-
-
 def has_mask(fmt: str, columns: list[str], options: Options) -> bool:
     if fmt == "tokens":
         return "labels" in columns
@@ -422,7 +416,9 @@ def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, s
     try:
         os.chmod(work, 0o777 & ~_umask())  # mkdtemp's 0700 would hide a shared cache from colleagues
         packed = options.packing if options.packing is not None else fmt == "text"
-        columns = [c for c in format_columns(fmt, options.text_column) if c in raw.column_names]
+        needed = {"tokens": ["input_ids", "labels", "attention_mask"], "chat": ["messages"],
+                  "prompt-completion": ["prompt", "completion"], "text": [options.text_column]}[fmt]  # fmt: skip
+        columns = [c for c in needed if c in raw.column_names]
         job = Job(raw.select_columns(columns), tokenizer, options, fmt, packed, has_mask(fmt, columns, options))
         writer = Writer(work, token_dtype(options.vocab_size), packed, options.seq_len, job.with_mask)
         with writer, _progress(len(raw), show_progress) as bar:

@@ -314,7 +314,9 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     )  # fmt: skip
 
 
-def check_stream(reader: stream.StreamReader, meta: checkpoint.Meta | None, global_batch: int, seq_len: int):
+def check_stream(
+    reader: stream.StreamReader, meta: checkpoint.Meta | None, global_batch: int, seq_len: int
+) -> float | None:
     """The stream holds the run's first step. A resume reads the stream again up to the checkpoint's
     position (the exact way back, see stream.py); returns the seconds that took (None: a fresh start)."""
     first = meta.samples if meta is not None else 0
