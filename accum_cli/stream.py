@@ -221,11 +221,12 @@ class StreamReader:
         out = []
         for j in range(plan.accum_steps):
             picked = plan.microbatch_range(step, rank, j, first_sample=first)
-            mine = [_as_int64(rows[i - first]) for i in picked]
+            mine = [as_int64(rows[i - first]) for i in picked]
             out.append(collate(mine, self.pad_id) if mine else empty_microbatch(self.pad_id))
         return out
 
 
-def _as_int64(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
+def as_int64(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) as int64, as collate and prepared data's samples are."""
     ids = sample[0].astype(np.int64)
     return ids, ids if sample[1] is None else sample[1].astype(np.int64)

@@ -69,7 +69,7 @@ def test_the_stream_holds_the_prepared_samples_in_stream_order(files, monkeypatc
                                      num_proc=1)  # fmt: skip
     raw = sources.load_raw(str(files[name]), streaming=True)
     source = stream.open_source(raw, name, tokenizer, options, seed=0, shuffle_buffer=0, max_positions=256)
-    streamed = [stream._as_int64(sample) for sample in stream.samples(source)]
+    streamed = [stream.as_int64(sample) for sample in stream.samples(source)]
     assert len(streamed) == len(prepared) > 10
     for i, (ids, labels) in enumerate(streamed):
         want_ids, want_labels = prepared.sample(i)
