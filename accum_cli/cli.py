@@ -146,6 +146,10 @@ def main(
         if print_config:
             print(as_recipe(cfg, PRINT_CONFIG_HEAD), end="")
             return
+        if prepare_only and cfg.streaming:
+            raise UserError(
+                "--prepare-only has nothing to prepare with --streaming (it tokenises on the fly); drop one"
+            )
         if resume == RESUME_AUTO and cfg.overwrite:
             raise UserError("--resume auto continues a run and --overwrite discards it; pass one of them")
         if wants_launch:

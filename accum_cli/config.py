@@ -87,6 +87,10 @@ class TrainConfig:
                                     none_means="at the end", ge=1)  # fmt: skip
     num_proc: int | None = option(None, "Worker processes that tokenise a big corpus.", MODEL_DATA,
                                   none_means="the CPU cores this process may use", ge=1)  # fmt: skip
+    streaming: bool = option(False, "Read the dataset as a stream, tokenised and packed on the fly, instead of "
+                             "preparing it ahead (needs --max-steps; see README, Streaming).", MODEL_DATA)  # fmt: skip
+    shuffle_buffer: int = option(10000, "--streaming: samples held in the seeded shuffle buffer; 0 keeps the "
+                                 "stream's order.", MODEL_DATA, ge=0)  # fmt: skip
     trust_remote_code: bool = option(False, "Run code shipped with the model or dataset.", MODEL_DATA)
     attn_implementation: str | None = option(
         None, "Attention kernel, checked against the model class and device before any work.", MODEL_DATA,
@@ -183,6 +187,10 @@ class TrainConfig:
             problems.append(f"--micro-batch must be a positive integer or auto, got {recipe.quote(self.micro_batch)}")
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
+        if self.streaming and self.max_steps is None:
+            problems.append("--streaming needs --max-steps N: a stream has no known length to count --epochs in")
+        if self.streaming and self.eval_split_ratio:
+            problems.append("--eval-split-ratio cannot hold out part of a stream; pass --eval-dataset with --streaming")
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:

@@ -109,12 +109,18 @@ def check(raw, tokenizer, options: Options) -> str:
     """The cheap checks, on every rank before any collective, so all ranks fail alike."""
     if len(raw) == 0:
         raise UserError("the dataset is empty; pass a dataset with at least one row")
-    fmt = detect_format(raw.column_names, options.text_column)
+    return check_columns(raw.column_names, raw.features, tokenizer, options)
+
+
+def check_columns(columns: list[str], features, tokenizer, options: Options) -> str:
+    """The format and what it needs, from the columns (and their types, when the schema is known)."""
+    fmt = detect_format(columns, options.text_column)
     if fmt != "tokens" and tokenizer is None:
         raise UserError("the model folder has no tokenizer to tokenise text; add one or pass a dataset with input_ids")
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise UserError("the dataset has a messages column but the tokenizer has no chat template; add one")
-    _check_column_types(raw.features, fmt, options.text_column)
+    if features is not None:  # a stream of text files has no schema: its rows are checked as they come
+        _check_column_types(features, fmt, options.text_column)
     return fmt
 
 
@@ -257,7 +263,7 @@ def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    raw: object  # the datasets.Dataset, reduced to the columns the format reads
+    raw: object  # the datasets.Dataset, reduced to the columns the format reads (None: rows come as batches)
     tokenizer: object
     options: Options
     fmt: str
@@ -273,7 +279,12 @@ def has_mask(fmt: str, columns: list[str], options: Options) -> bool:
 
 def tokenise(job: Job, start: int, stop: int) -> Chunk:
     """Rows [start, stop) -> one chunk of the store's arrays, its ids checked against the vocabulary."""
-    built = make_rows(job.raw[start:stop], job.tokenizer, job.options, job.fmt, job.packed, first_row=start)
+    return tokenise_batch(job, job.raw[start:stop], start, stop - start)
+
+
+def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
+    """A batch of raw rows (column -> values), the first of them row `start` of the dataset -> one chunk."""
+    built = make_rows(batch, job.tokenizer, job.options, job.fmt, job.packed, first_row=start)
     rows = [i for i, row in enumerate(built["input_ids"]) if len(row)]  # an empty row trains nothing
     ids_rows = [built["input_ids"][i] for i in rows]
     lengths = np.fromiter((len(r) for r in ids_rows), np.int64, len(rows))
@@ -293,7 +304,7 @@ def tokenise(job: Job, start: int, stop: int) -> Chunk:
         loss_tokens = int(mask.sum()) - int(mask[firsts].sum())
     else:
         loss_tokens = total - len(rows)
-    return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, stop - start, sum(built["truncated"]),
+    return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, n_rows, sum(built["truncated"]),
                  loss_tokens)  # fmt: skip
 
 

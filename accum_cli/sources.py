@@ -1,7 +1,7 @@
 """Where the rows come from: the embedded corpus, local files, folders, globs, or the hub.
 
-Every source comes back as a `datasets.Dataset`, untouched: formats are told apart and
-tokenised in prepare.py.
+Every source comes back as a `datasets.Dataset` (a `datasets.IterableDataset` when streaming),
+untouched: formats are told apart and tokenised in prepare.py (stream.py when streaming).
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ def load_raw(
     split: str = "train",
     trust_remote_code: bool = False,
     flag: str = "--dataset",
+    streaming: bool = False,
 ):
     import datasets
 
     datasets.disable_progress_bars()
     if dataset is None:
-        return datasets.Dataset.from_dict({"text": embedded_documents()})
+        embedded = datasets.Dataset.from_dict({"text": embedded_documents()})
+        return embedded.to_iterable_dataset() if streaming else embedded
     check_exists(dataset, flag)
     if is_local(dataset):
         files = local_files(dataset, flag)
@@ -67,11 +69,15 @@ def load_raw(
         builder = FILE_BUILDERS[files[0].suffix]
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
-            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+            return datasets.load_dataset(
+                builder, data_files=[str(f) for f in files], split="train", streaming=streaming, **kwargs
+            )
         except Exception as exc:  # a malformed file: name it, do not dump the parser's stack
             raise UserError(f"{flag} {dataset}: cannot read it as {builder}: {first_line(exc)}") from None
     try:
-        return datasets.load_dataset(dataset, config_name, split=split, trust_remote_code=trust_remote_code)
+        return datasets.load_dataset(
+            dataset, config_name, split=split, trust_remote_code=trust_remote_code, streaming=streaming
+        )
     except Exception as exc:
         raise UserError(
             f"{flag} {dataset} is neither a local path nor a loadable hub dataset "

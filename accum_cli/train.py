@@ -31,6 +31,7 @@ from accum_cli import (
     runtime,
     sharding,
     sources,
+    stream,
     tracking,
 )
 from accum_cli import model as modeling
@@ -167,9 +168,9 @@ class Setup:
     rt: runtime.Runtime
     plan: Plan
     seq_len: int
-    dataset: object
+    dataset: object  # prepared data, or a stream.StreamReader (--streaming)
     eval_dataset: object | None
-    stats: prepare.Stats
+    stats: prepare.Stats | None  # None when streaming: the stream is not counted ahead
     tokenised_on: int  # ranks that had to tokenise (0: all read the cache)
     tokenizer: object
     model_config: object
@@ -185,6 +186,8 @@ class Setup:
     data_id: str  # the prepared data and its order: a resume on other data is refused
     layout: layout.Decision
     lock: outdir.RunLock | None  # rank 0's hold on the output dir (None elsewhere, or for --prepare-only)
+    streaming: str  # how the stream is read ("" for prepared data)
+    replayed_s: float | None  # --streaming resume: seconds spent reading the stream to the checkpoint's sample
 
 
 def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
@@ -217,16 +220,23 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
 def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
-    raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
+    raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code, streaming=cfg.streaming)
     raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset") if cfg.eval_dataset else None
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     vocab_size = getattr(model_config, "vocab_size", None)
     options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
-    fmt = prepare.check(raw, tokenizer, options)
+    if cfg.streaming:
+        max_positions = getattr(model_config, "max_position_embeddings", None)
+        name = cfg.dataset or "(the embedded corpus)"
+        streamed = stream.open_source(raw, name, tokenizer, options, cfg.seed, cfg.shuffle_buffer, max_positions)
+        data_key = stream.identity(cfg.dataset, cfg.dataset_config, cfg.split, streamed)
+    else:
+        data_key = prepare.cache_key(raw, tokenizer, options, prepare.check(raw, tokenizer, options))
     if raw_eval is not None:
         prepare.check(raw_eval, tokenizer, options)
-    data_id = data_identity(prepare.cache_key(raw, tokenizer, options, fmt), cfg)
+    data_id = data_identity(data_key, cfg)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    replayed = None
 
     rt = runtime.start()
     if not settings.rank0_loading:
@@ -240,19 +250,24 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         dist.barrier(group=prep_group)
 
     leader = rt.local_rank == 0
-    dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
+    if cfg.streaming:
+        dataset, stats, tokenised = stream.StreamReader(streamed, _pad_id(tokenizer, model_config)), None, False
+    else:
+        dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
     eval_dataset = None
     if raw_eval is not None:
         eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
-    if len(dataset) < cfg.global_batch:
+    if cfg.streaming:
+        replayed = check_stream(dataset, meta, cfg.global_batch, seq_len)
+    elif len(dataset) < cfg.global_batch:
         raise UserError(
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
             f"global batch of {cfg.global_batch}; lower --global-batch or --seq-len, or add data"
         )
-    if stats.format == "tokens":
+    if stats is not None and stats.format == "tokens":
         longest = stats.longest
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
@@ -308,8 +323,28 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision,
         micro_reason, size, checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
-        lock,
+        lock, stream.describe(streamed) if cfg.streaming else "", replayed,
     )  # fmt: skip
+
+
+def check_stream(
+    reader: stream.StreamReader, meta: checkpoint.Meta | None, global_batch: int, seq_len: int
+) -> float | None:
+    """The stream holds the run's first step. A resume reads the stream again up to the checkpoint's
+    position (the exact way back, see stream.py); returns the seconds that took (None: a fresh start)."""
+    first = meta.samples if meta is not None else 0
+    started = time.perf_counter()
+    if reader.has_step(first, global_batch):
+        return time.perf_counter() - started if meta is not None else None
+    if meta is None:
+        raise UserError(
+            f"the stream holds fewer than one global batch of {global_batch} sequences of up to {seq_len} tokens; "
+            "lower --global-batch or --seq-len, or add data"
+        )
+    raise UserError(
+        f"--resume {meta.path}: the stream ends before sample {first + global_batch:,}, so no step is left after "
+        "the checkpoint's; the run is complete"
+    )
 
 
 def data_identity(prepared_key: str, cfg: TrainConfig) -> str:
@@ -422,6 +457,15 @@ def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool) -> str:
     return f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"
 
 
+def stream_position(s: Setup) -> str:
+    if s.resume is None:
+        return "stream            read from its start"
+    return (
+        f"stream            read again up to sample {s.resume.samples:,} to resume exactly "
+        f"({s.replayed_s:.1f} s, without training)"
+    )
+
+
 def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
     rt = s.rt
     mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
@@ -434,8 +478,8 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
-        *s.stats.describe(s.plan.global_batch),
-        f"tokenisation      {tokenised}",
+        *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
         describe_lr(cfg, lr_given, s.source.has_weights),
@@ -474,13 +518,26 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     if rt.is_main:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
-    reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), _pad_id(s))
-    eval_reader = data.MicrobatchReader(s.eval_dataset, None, _pad_id(s)) if s.eval_dataset is not None else None
+    pad_id = _pad_id(s.tokenizer, s.model_config)
+    if cfg.streaming:
+        streamed = s.dataset
+
+        def read_step(step: int, first: int) -> list[data.Microbatch]:
+            return streamed.microbatches(plan, step, rt.rank, first)
+    else:
+        reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), pad_id)
+
+        def read_step(step: int, first: int) -> list[data.Microbatch]:
+            return [reader.read(plan.microbatch_range(step, rt.rank, j, first)) for j in range(plan.accum_steps)]
+
+    eval_reader = data.MicrobatchReader(s.eval_dataset, None, pad_id) if s.eval_dataset is not None else None
+
+    end = s.total_steps  # the last step; earlier when a stream ends first
 
     def evaluate(done: int) -> dict:
         if eval_reader is None:
             return {}
-        if not (done == s.total_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+        if not (done == end or (cfg.eval_every and done % cfg.eval_every == 0)):
             return {}
         loss, tokens = eval_loss(model, eval_reader, rt.rank, rt.world_size, plan.micro_batch, rt.device)
         return {"eval_loss": loss, "eval_loss_tokens": tokens}
@@ -539,10 +596,14 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         samples = first_sample
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
-            microbatches = [
-                reader.read(plan.microbatch_range(step, rt.rank, j, first_sample=samples))
-                for j in range(plan.accum_steps)
-            ]
+            microbatches = read_step(step, samples)
+            next_first = samples + plan.global_batch
+            # A stream's end is seen one step ahead (alike on every rank), so that step is the last for
+            # evaluation, checkpoints and stop requests too.
+            if cfg.streaming and step + 1 < end and not streamed.has_step(next_first, plan.global_batch):
+                end = step + 1
+                if rt.is_main:
+                    print(f"the stream ends after step {end} ({next_first:,} samples): the last step", flush=True)
             result = train_step(
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step + 1,
                 cfg.on_nonfinite, cfg.moe_aux_loss,
@@ -551,7 +612,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             done = step + 1
             seconds = time.perf_counter() - started
             trackers.log(reporter.step(step, result, seconds, evaluate(done)))
-            if done < s.total_steps and stop.agreed(rt.device):  # the last step just finishes
+            if done < end and stop.agreed(rt.device):  # the last step just finishes
                 # Who asked is read now: once a rank has exited, the launcher signals the others too.
                 asked_by = stop.signal_name or "a signal on another rank"
                 path = save_checkpoint(done, samples, draw=False)  # a preempted job's grace is short
@@ -560,16 +621,18 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                     f"stopped by {asked_by} after step {done} "
                     f"({waited:.2f} s after the signal); resume with --resume (checkpoint {path})"
                 )
-            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < s.total_steps:
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < end:
                 save_checkpoint(done, samples)
-        last = save_checkpoint(s.total_steps, samples)
+            if done == end:
+                break
+        last = save_checkpoint(end, samples)
         export_dtype = modeling.export_dtype(cfg.export_dtype, s.model_config)
         save_final_model(s, model, last, export_dtype)
         summary = reporter.last or {}
         if rt.is_main:
             print_lines(
                 [
-                    f"steps             {s.total_steps}",
+                    f"steps             {end}",
                     f"final loss        {summary.get('loss', float('nan')):.4f}",
                     f"tokens            {reporter.tokens_total:,} in {summary.get('elapsed_s', 0):.1f} s",
                     f"model             {s.output_dir / 'final'} ({str(export_dtype).removeprefix('torch.')})",
@@ -643,8 +706,8 @@ def _write_run_record(s: Setup, start_step: int, record: dict) -> None:
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _pad_id(s: Setup) -> int:
-    for candidate in (getattr(s.tokenizer, "pad_token_id", None), getattr(s.model_config, "pad_token_id", None)):
+def _pad_id(tokenizer, model_config) -> int:
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(model_config, "pad_token_id", None)):
         if isinstance(candidate, int):
             return candidate
     return 0

@@ -45,6 +45,7 @@ BAD = "tests/test_bad_input.py"
 PROMISES = "tests/test_promises.py"
 TRUST = "tests/test_trust.py"
 ESTIMATE = "tests/test_estimate.py"
+STREAM = "tests/test_streaming.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +225,21 @@ MUTANTS = [
     Mutant("prepare: the cache ignores the options", "accum_cli/prepare.py",
            "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, asdict(options),",
            "Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, None,", (PROMISES, "-k", "cache")),
+    # --- stream: --streaming ----------------------------------------------------------------------
+    Mutant("stream: every rank reads rank 0's slice", "accum_cli/stream.py",
+           "plan.microbatch_range(step, rank, j", "plan.microbatch_range(step, 0, j", (STREAM, "-k", "whatever_w")),
+    Mutant("stream: a resume restarts the stream instead of skipping to its position", "accum_cli/stream.py",
+           "itertools.islice(self._samples, first - self.position)", "itertools.islice(self._samples, 0)",
+           (STREAM, "-k", "resume")),
+    Mutant("stream: the shuffle buffer ignores --seed", "accum_cli/stream.py",
+           "default_rng([seed, SHUFFLE_STREAM])", "default_rng([0, SHUFFLE_STREAM])", (STREAM, "-k", "shuffle")),
+    Mutant("stream: the packed block carried between chunks is dropped", "accum_cli/stream.py",
+           "        ids = ids[whole:].copy()", "        ids = ids[:0].copy()", (STREAM, "-k", "prepared_samples")),
+    Mutant("stream: the loss mask is lost", "accum_cli/stream.py",
+           "    if chunk.mask is not None:\n        return np.where", "    if False:\n        return np.where",
+           (STREAM, "-k", "prepared_samples")),
+    Mutant("stream: the end of the stream is not seen ahead", "accum_cli/train.py",
+           "if cfg.streaming and step + 1 < end and not", "if False and not", (STREAM, "-k", "clean_end")),
     # --- safe_dcp: nothing runs from a checkpoint, every byte read is verified --------------------
     Mutant("safe_dcp: the metadata unpickler admits any class", "accum_cli/safe_dcp.py",
            '        raise UnsafeCheckpoint(f"its .metadata asks to load {module[:60]}.{name[:60]}, which DCP never writes")',
