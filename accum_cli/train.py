@@ -157,10 +157,8 @@ def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, se
     if isinstance(answer, dict):
         raise UserError(answer["error"])  # printed by rank 0 alone
     micro_batch, micro_reason, chosen, reason = answer
-    plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
-    if cfg.strict_batch:
-        plan.require_divisible()
-    return plan, micro_reason, policy.Decision(chosen, reason)
+    # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
+    return Plan(cfg.global_batch, micro_batch, rt.world_size), micro_reason, policy.Decision(chosen, reason)
 
 
 @dataclass
@@ -289,8 +287,6 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     )
     if chosen_layout.layout == layout.REPLICATE:
         plan, micro_reason = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size), "as requested"
-        if cfg.strict_batch:
-            plan.require_divisible()
         decision = policy.Decision(policy.LAST, "replicated: one all-reduce per step")
     else:
         plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
