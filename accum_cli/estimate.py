@@ -29,7 +29,7 @@ from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 2  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 3  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 
@@ -249,6 +249,7 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
     with tracker:
         for index, mb in enumerate(microbatches):
             microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+            _label_accumulated_gradients(tracker, model)
             tracker.reset_mod_stats()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
@@ -256,6 +257,21 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
     snapshot = tracker.get_tracker_snapshot("peak")
     snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
     return int(snap["Total"]), breakdown_of(snap)
+
+
+def _label_accumulated_gradients(tracker, model) -> None:
+    """Deferred reduction with a reduce dtype other than the parameters' (bf16 with fp32 reduce)
+    keeps the unreduced gradients in FSDP2's `unsharded_accumulated_grad`, which the tracker files
+    under temporaries; they are gradients, held until the last microbatch. Relabelled after each
+    microbatch (no byte changes), so a peak inside the first one still counts them as temporaries."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Kind
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group else ():
+            if param.unsharded_accumulated_grad is not None:
+                tracker._update_and_maybe_create_winfos(param.unsharded_accumulated_grad, Kind.UNSHARDED_GRAD)
 
 
 def fake_microbatches(vocab_size: int, micro_batch: int, seq_len: int, accum_steps: int, device):

@@ -134,18 +134,37 @@ def test_second_estimate_comes_from_the_cache(cache):
     assert list(cache.glob("estimates/*.json")), "nothing was written to the cache folder"
 
 
+def deep_narrow():
+    """8 layers x 128, vocabulary 256: the layers hold nearly all the parameters."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+def test_deferred_bf16_gradients_are_counted_as_gradients(tmp_path, monkeypatch):
+    """bf16 with fp32 reduction under `last`: every rank holds the whole model's unreduced gradients
+    in fp32 between microbatches (FSDP2 keeps them apart from `.grad`); --plan's breakdown must show
+    them as gradients, not temporaries, whatever W."""
+    import math
+
+    from accum_cli import model as modeling
+
+    config = deep_narrow()
+    whole = 4 * sum(math.prod(shape) for shape in modeling.parameter_shapes(config, False).values())
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
+    found = estimate.estimate([estimate.Query(json.loads(config.to_json_string()), 8, 1, 1, 32, "last", True, False)])
+    assert found[0].breakdown["gradients"] >= whole, (found[0].breakdown, whole)
+
+
 def test_a_peak_does_not_depend_on_what_was_estimated_before(tmp_path, monkeypatch):
     """One child answers many queries on one fake model. DTensor's sharding propagation (cached per
     op and shapes) builds fake operands of global shape that the tracker would count: the first
     gradient clip on a fresh model added the whole model in fp32. A deep, narrow model at W=8,
     where that is larger than the real peak, must get the same figure first or second."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64,
-    )  # fmt: skip
-    model_config = json.loads(config.to_json_string())
+    model_config = json.loads(deep_narrow().to_json_string())
     one, two = (estimate.Query(model_config, 8, 1, m, 32, "every", False, False) for m in (1, 2))
     monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
     first, _, again = estimate.estimate([one, two, one])  # none cached yet: measured in this order, in one child
