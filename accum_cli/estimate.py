@@ -4,12 +4,14 @@ No formula: the model is built from its config in `FakeTensorMode` (shapes, no s
 by the run's own `model.shard` on a fake process group of the planned world size, and the run's
 own step (`loop.microbatch_backward`, gradient clipping, AdamW) is executed under PyTorch's
 `FSDPMemTracker`, which records every tensor's bytes by kind (parameters, gradients, optimizer
-state, activations, temporaries) and the peak. Two steps of at least two microbatches run, so
-AdamW's state exists and the second step's peak (the steady state) is the one reported.
+state, activations, temporaries) and the peak. An untracked step first creates AdamW's state,
+so the tracked step of at least two microbatches shows the steady state.
 
 The fake process group replaces the real one for the life of the process, so estimation runs
 in a child process (`python -m accum_cli.estimate`): a real run's process group is never touched.
-Results are cached on disk keyed by every input, so a second `--plan` is instant.
+One child serves a whole decision (`Session`): torch is imported and the fake model built once,
+then reused for every micro batch and policy asked about. Results are cached on disk keyed by
+every input, so a second `--plan` is instant.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 1  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 3  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 
@@ -68,21 +72,99 @@ def cache_dir() -> Path:
     return cache_root() / "estimates"
 
 
+class Session:
+    """Estimates from the cache, else measured in one child process that lives as long as the
+    session: torch is imported and the fake model built once for all the queries of a decision
+    (a micro batch search asks several questions, each depending on the last answers)."""
+
+    def __init__(self) -> None:
+        self._child: subprocess.Popen | None = None
+        self._log = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def estimate(self, queries: list[Query]) -> list[Estimate]:
+        results: dict[int, Estimate] = {}
+        missing = []
+        for index, query in enumerate(queries):
+            hit = _read_cache(query)
+            if hit is None:
+                missing.append(index)
+            else:
+                results[index] = hit
+        if missing:
+            for index, fresh in zip(missing, self._measure([queries[i] for i in missing]), strict=True):
+                _write_cache(queries[index], fresh)
+                results[index] = fresh
+        return [results[i] for i in range(len(queries))]
+
+    def _measure(self, queries: list[Query]) -> list[Estimate]:
+        if self._child is None:
+            self._start()
+        child = self._child
+        try:
+            child.stdin.write(json.dumps([asdict(q) for q in queries]) + "\n")
+            child.stdin.flush()
+            ready, _, _ = select.select([child.stdout], [], [], ESTIMATE_TIMEOUT_S)
+            line = child.stdout.readline() if ready else ""
+        except OSError:  # the child died before reading
+            line = ""
+        if not line:
+            self._fail(f"no answer in {ESTIMATE_TIMEOUT_S} s" if child.poll() is None else "")
+        rows = json.loads(line)
+        return [Estimate(row["peak"], row["breakdown"], row["seconds"]) for row in rows]
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)  # the child must not join the real run's process group
+        env.setdefault("OMP_NUM_THREADS", "1")
+        # A file, not a pipe: warnings never block the child. Closed by close().
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "accum_cli.estimate"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+
+    def _fail(self, why: str) -> None:
+        self.close(keep_log=True)
+        if not why:
+            self._log.seek(0)
+            lines = [line for line in self._log.read().strip().splitlines() if line.strip()]
+            why = lines[-1] if lines else "the estimating process ended"
+        self._log.close()
+        raise UserError(
+            f"the memory estimate failed ({why[:200]}); pass --micro-batch N and --sync every|last to skip it"
+        )
+
+    def close(self, keep_log: bool = False) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        if child.poll() is None:
+            try:
+                child.stdin.close()  # end of input: the child exits
+                child.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                child.kill()
+                child.wait()
+        for stream in (child.stdin, child.stdout, None if keep_log else self._log):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+
 def estimate(queries: list[Query]) -> list[Estimate]:
-    """Peak per rank for each query: from the cache, else measured in one child process."""
-    results: dict[int, Estimate] = {}
-    missing = []
-    for index, query in enumerate(queries):
-        hit = _read_cache(query)
-        if hit is None:
-            missing.append(index)
-        else:
-            results[index] = hit
-    if missing:
-        for index, fresh in zip(missing, _measure_in_child([queries[i] for i in missing]), strict=True):
-            _write_cache(queries[index], fresh)
-            results[index] = fresh
-    return [results[i] for i in range(len(queries))]
+    """Peak per rank for each query: from the cache, else measured in a child process."""
+    with Session() as session:
+        return session.estimate(queries)
 
 
 def _read_cache(query: Query) -> Estimate | None:
@@ -104,30 +186,6 @@ def _write_cache(query: Query, result: Estimate) -> None:
         tmp.replace(folder / f"{query.key()}.json")
     except OSError:
         pass  # a read-only cache only costs time
-
-
-def _measure_in_child(queries: list[Query]) -> list[Estimate]:
-    payload = json.dumps([asdict(q) for q in queries])
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # the child must not join the real run's process group
-    env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run(
-        [sys.executable, "-m", "accum_cli.estimate"],
-        input=payload,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=ESTIMATE_TIMEOUT_S,
-    )
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        why = lines[-1] if lines else f"exit code {done.returncode}"
-        raise UserError(
-            f"the memory estimate failed ({why[:200]}); pass --micro-batch N and --sync every|last to skip it"
-        )
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    return [Estimate(row["peak"], row["breakdown"], row["seconds"]) for row in rows]
 
 
 # --- in the child process -------------------------------------------------------------------
@@ -177,6 +235,13 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
     if not optimizer.state:
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
+        # In FakeTensorMode, DTensor's sharding propagation builds fake tensors of each operand's
+        # *global* shape under the active fake mode, and the tracker counts them: clipping's norm
+        # over all gradients would add the whole model in fp32 to the first step's peak (4.6 GiB
+        # for a 1B model, whatever W). Propagation results are cached per op and shapes, so one
+        # clip here, untracked, keeps every tracked step free of it (and the order of queries
+        # on one fake model from changing their peaks).
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
@@ -184,6 +249,7 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
     with tracker:
         for index, mb in enumerate(microbatches):
             microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+            _label_accumulated_gradients(tracker, model)
             tracker.reset_mod_stats()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
@@ -191,6 +257,21 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
     snapshot = tracker.get_tracker_snapshot("peak")
     snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
     return int(snap["Total"]), breakdown_of(snap)
+
+
+def _label_accumulated_gradients(tracker, model) -> None:
+    """Deferred reduction with a reduce dtype other than the parameters' (bf16 with fp32 reduce)
+    keeps the unreduced gradients in FSDP2's `unsharded_accumulated_grad`, which the tracker files
+    under temporaries; they are gradients, held until the last microbatch. Relabelled after each
+    microbatch (no byte changes), so a peak inside the first one still counts them as temporaries."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as Kind
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group else ():
+            if param.unsharded_accumulated_grad is not None:
+                tracker._update_and_maybe_create_winfos(param.unsharded_accumulated_grad, Kind.UNSHARDED_GRAD)
 
 
 def fake_microbatches(vocab_size: int, micro_batch: int, seq_len: int, accum_steps: int, device):
@@ -247,45 +328,53 @@ def _fake_model(query: Query, fake_mode):
     return model, optimizer, config
 
 
-def measure_all(queries: list[Query]) -> list[Estimate]:
-    """In this process (the child): each query's peak, one fake model per group of queries."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+class Measurer:
+    """In the child: each query's peak; the fake model is kept for the next queries that share it."""
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the model and its inputs must share it
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-    device = torch.device("cpu")
-    built: tuple[str, object, object, object] | None = None
-    results = []
-    for query in queries:
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # one mode: the model and its inputs share it
+        self.built: tuple[str, object, object, object] | None = None
+
+    def measure(self, queries: list[Query]) -> list[Estimate]:
+        # Sharing a fake model needs the queries that share it next to each other.
+        order = sorted(range(len(queries)), key=lambda i: _build_key(queries[i]))
+        results = dict((i, self._one(queries[i])) for i in order)
+        return [results[i] for i in range(len(queries))]
+
+    def _one(self, query: Query) -> Estimate:
+        import torch
+
+        device = torch.device("cpu")
         started = time.perf_counter()
-        if built is None or built[0] != _build_key(query):
-            built = None  # free the previous fake model first
-            built = (_build_key(query), *_fake_model(query, fake_mode))
-        _, model, optimizer, config = built
-        with fake_mode:
+        if self.built is None or self.built[0] != _build_key(query):
+            self.built = None  # free the previous fake model first
+            self.built = (_build_key(query), *_fake_model(query, self.fake_mode))
+        _, model, optimizer, config = self.built
+        with self.fake_mode:
             microbatches = fake_microbatches(
                 config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device
             )
             loss_tokens = query.micro_batch * query.seq_len * query.accum_steps * query.world_size
             peak, breakdown = tracked_step(model, optimizer, microbatches, query.sync, loss_tokens, device)
-        results.append(Estimate(peak, breakdown, time.perf_counter() - started))
-    return results
+        return Estimate(peak, breakdown, time.perf_counter() - started)
 
 
 def main() -> None:
-    queries = [Query(**row) for row in json.loads(sys.stdin.read())]
-    # Sharing a fake model needs the queries that share it next to each other.
-    order = sorted(range(len(queries)), key=lambda i: _build_key(queries[i]))
-    try:
-        measured = measure_all([queries[i] for i in order])
-    except Exception as exc:  # reported in one line by the parent
-        print(f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
-        raise SystemExit(1) from None
-    rows: list[dict] = [{}] * len(queries)
-    for i, result in zip(order, measured, strict=True):
-        rows[i] = {"peak": result.peak, "breakdown": result.breakdown, "seconds": result.seconds}
-    print(json.dumps(rows))
+    """One JSON list of queries per input line, one JSON list of results per output line, until
+    the end of the input."""
+    answers, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints must not pass for an answer
+    measurer = Measurer()
+    for line in sys.stdin:
+        queries = [Query(**row) for row in json.loads(line)]
+        try:
+            measured = measurer.measure(queries)
+        except Exception as exc:  # reported in one line by the parent
+            print(f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+            raise SystemExit(1) from None
+        rows = [{"peak": r.peak, "breakdown": r.breakdown, "seconds": r.seconds} for r in measured]
+        print(json.dumps(rows), file=answers, flush=True)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,15 @@ only, while the CUDA context (0.5-1 GiB), NCCL's buffers and the caching allocat
 fragmentation take the rest. On CPU the device memory is the free RAM shared by the local ranks.
 
 `--micro-batch auto` looks for the largest m <= ceil(G/W) that fits under the leanest policy
-(`every`, `hsdp-defer` on a 2-D mesh, or the one requested). The peak grows linearly with m
-(parameters, gradients and AdamW state do not depend on it; activations and temporaries are
-per sequence), so two estimates (m = 1, 2) predict it, and the estimate at the chosen m confirms
-it (one sequence less until it fits). The sync policy is then chosen at that m.
+(`every`, `hsdp-defer` on a 2-D mesh, or the one requested); the sync policy is then chosen at
+that m. The search leans on one fact: the step's peak is the largest, over the moments of the
+step, of the bytes live at that moment, and each tensor's size is affine in m (the same ops run
+for any m; a batch dimension or none), so the peak is a maximum of affine functions of m: convex.
+Which moment holds the peak changes with m (AdamW's state at small m, the activations at large
+m), so two small m do not predict a large one. But the line through two micro batches that do
+not fit, extended down, stays at or below the peak: every m beyond where it crosses the budget
+does not fit either. Walking down from ceil(G/W) along such lines finds the largest m that fits
+in a few estimates (3-5), each one proved by measurement, never by extrapolation.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from accum_cli.plan import Plan
 
 AUTO = "auto"
 BUDGET_SHARE = 0.85
-MAX_CONFIRMS = 4  # estimates spent walking m down when the linear prediction was optimistic
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,28 +85,32 @@ def fit(target: Target, micro_batch: int | str, sync: str, budget: Budget, show_
     estimates every policy and the per-sequence growth even when nothing is left to choose."""
     started = time.perf_counter()
     spent: list[estimate.Estimate] = []
+    with estimate.Session() as session:  # one child process for all the estimates of this decision
 
-    def run(queries: list[estimate.Query]) -> list[estimate.Estimate]:
-        found = estimate.estimate(queries)
-        spent.extend(found)
-        return found
+        def run(queries: list[estimate.Query]) -> list[estimate.Estimate]:
+            found = session.estimate(queries)
+            spent.extend(found)
+            return found
 
-    lean = sync if sync != AUTO else candidates(target.replicas)[-1]
-    cap = -(-target.global_batch // target.world_size)
-    per_sequence = 0
-    if micro_batch == AUTO:
-        micro_batch, micro_reason, per_sequence = _auto_micro_batch(target, lean, cap, budget, run)
-    else:
-        micro_reason = "as requested"
-    plan = Plan(target.global_batch, micro_batch, target.world_size)
-    deferring = plan.world_size > 1 and plan.accum_steps > 1
-    policies = candidates(target.replicas) if (sync == AUTO and deferring) or show_all else ()
-    if sync != AUTO and sync not in policies and show_all:
-        policies = (*policies, sync)
-    found = dict(zip(policies, run([target.query(p, micro_batch) for p in policies]), strict=True))
-    if show_all and not per_sequence:
-        bigger = run([target.query(lean, 2 * micro_batch)])[0]
-        per_sequence = max((bigger.peak - found[lean].peak) // micro_batch, 0)
+        lean = sync if sync != AUTO else candidates(target.replicas)[-1]
+        cap = -(-target.global_batch // target.world_size)
+        per_sequence = 0
+        if micro_batch == AUTO:
+            micro_batch, micro_reason, per_sequence = _auto_micro_batch(target, lean, cap, budget, run)
+        else:
+            micro_reason = "as requested"
+        plan = Plan(target.global_batch, micro_batch, target.world_size)
+        deferring = plan.world_size > 1 and plan.accum_steps > 1
+        policies = candidates(target.replicas) if (sync == AUTO and deferring) or show_all else ()
+        if sync != AUTO and sync not in policies and show_all:
+            policies = (*policies, sync)
+        if plan.accum_steps > 1 or not policies:
+            found = dict(zip(policies, run([target.query(p, micro_batch) for p in policies]), strict=True))
+        else:  # one microbatch is the last one: every policy runs the same step, so one estimate serves all
+            found = dict.fromkeys(policies, run([target.query(lean, micro_batch)])[0])
+        if show_all and not per_sequence:
+            bigger = run([target.query(lean, 2 * micro_batch)])[0]
+            per_sequence = max((bigger.peak - found[lean].peak) // micro_batch, 0)
     peaks = {p: e.peak for p, e in found.items()}
     decision = policy.choose(sync, plan, peaks, budget.bytes, target.replicas)
     seconds = time.perf_counter() - started
@@ -110,8 +118,15 @@ def fit(target: Target, micro_batch: int | str, sync: str, budget: Budget, show_
 
 
 def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) -> tuple[int, str, int]:
-    first = run([target.query(lean, m) for m in sorted({1, min(2, cap)})])
-    one = first[0].peak
+    allowed = [m for m in range(1, cap + 1) if m == 1 or not target.strict_batch or _divisible(m, target) == m]
+    peaks: dict[int, int] = {}
+
+    def measure(*micro_batches: int) -> None:
+        new = sorted(set(micro_batches) - peaks.keys())
+        peaks.update(zip(new, (e.peak for e in run([target.query(lean, m) for m in new])), strict=True))
+
+    measure(1, allowed[-1])
+    one = peaks[1]
     if one > budget.bytes:
         raise UserError(
             f"one sequence of {target.seq_len} tokens per microbatch needs an estimated {gib(one)} per rank under "
@@ -119,21 +134,29 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
             f"{gib(int(one / BUDGET_SHARE) + 1)}: use more ranks, --activation-checkpointing, --sync every, "
             "or a shorter --seq-len"
         )
-    per_sequence = max(first[-1].peak - one, 0)
-    m = cap if per_sequence == 0 else max(1, min(cap, 1 + (budget.bytes - one) // per_sequence))
-    if target.strict_batch:
-        m = _divisible(m, target)
-    peak = first[-1].peak if m == 2 else one if m == 1 else run([target.query(lean, m)])[0].peak
-    for _ in range(MAX_CONFIRMS):
-        if peak <= budget.bytes or m == 1:
+    while True:
+        fitting = max(m for m, peak in peaks.items() if peak <= budget.bytes)
+        over = sorted(m for m, peak in peaks.items() if peak > budget.bytes)
+        bound = _last_possible(over, peaks, budget.bytes) if len(over) >= 2 else cap
+        between = [m for m in allowed if fitting < m < (over[0] if over else cap + 1) and m <= bound]
+        if not between:
             break
-        m = _divisible(m - 1, target) if target.strict_batch else m - 1
-        peak = run([target.query(lean, m)])[0].peak
-    if peak > budget.bytes:
-        m, peak = 1, one
+        measure(between[-1])
+    m, peak = fitting, peaks[fitting]
+    over_m = over[0] if over else None
+    per_sequence = (peaks[over_m] - peak) // (over_m - m) if over_m else (peak - one) // max(m - 1, 1)
     limit = f"= ceil(G/W) = {cap}: one microbatch per step" if m == cap else f"<= ceil(G/W) = {cap}"
     reason = f"largest that fits ({limit}): estimated {gib(peak)} under {lean} vs budget {gib(budget.bytes)}"
-    return m, reason, per_sequence
+    return m, reason, max(per_sequence, 0)
+
+
+def _last_possible(over: list[int], peaks: dict[int, int], budget: int) -> float:
+    """The largest m that may fit, from the two smallest measured micro batches that do not: the
+    line through them, extended down, lies at or below the (convex) peak, so no m beyond the point
+    where it crosses the budget fits."""
+    a, b = over[0], over[1]
+    slope = (peaks[b] - peaks[a]) / (b - a)
+    return a - (peaks[a] - budget) / slope if slope > 0 else a - 1
 
 
 def _divisible(m: int, target: Target) -> int:

@@ -3,11 +3,13 @@
     .venv/bin/python bench/estimate.py            # both parts (~10 min on a busy 2-core machine)
     .venv/bin/python bench/estimate.py --timing   # only the --plan timings for a 1B Llama
 
-Part 1, for the embedded model and a ~30M-parameter Llama, on 2 real gloo ranks, `every` and
-`last`, micro batch 1 and 4: the estimate (fake model, fake world, estimate.py) next to the peak
-per rank measured by bench/measure_peak.py (the same steps on real tensors under FSDPMemTracker).
-Part 2: wall time of `accum-train --plan` for a 1B Llama-shaped config (seq len 2048, bf16) at
-W = 8 and 64 with an empty estimate cache, and again from the cache. Exits 0 whatever the figures.
+Part 1, for the embedded model and a ~30M-parameter Llama, on 2 real gloo ranks, `every`,
+`last` and `last-keep-params`, micro batch 1 and 4: the estimate (fake model, fake world,
+estimate.py) next to the peak per rank measured by bench/measure_peak.py (the same steps on
+real tensors under FSDPMemTracker).
+Part 2: wall time of `accum-train --plan --micro-batch auto` for a 1B Llama-shaped config (bf16,
+seq len 128 and 2048, 80 GiB) at W = 8 and 64 with an empty estimate cache, and again from the
+cache. Exits 0 whatever the figures.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SEQ_LEN = 128
-CASES = [(sync, m) for sync in ("every", "last") for m in (1, 4)]
+SYNCS = ("every", "last", "last-keep-params")
+CASES = [(sync, m) for sync in SYNCS for m in (1, 4)]
 
 
 def llama_30m(folder: Path) -> Path:
@@ -67,6 +70,7 @@ def measured(model_dir: Path) -> dict:
     cmd = [
         str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
         str(REPO / "bench" / "measure_peak.py"), "--model", str(model_dir), "--seq-len", str(SEQ_LEN),
+        "--sync", *SYNCS, "--micro-batch", "1", "4",
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=True)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -83,28 +87,34 @@ def compare(name: str, model_dir: Path) -> None:
     seconds = time.perf_counter() - started
     real = measured(model_dir)
     print(f"\n{name} (W=2, seq len {SEQ_LEN}, fp32; estimated in {seconds:.1f} s)")
-    print(f"  {'sync':<6} {'m':>2} {'estimate MiB':>13} {'measured MiB':>13} {'error':>7}")
+    print(f"  {'sync':<16} {'m':>2} {'estimate MiB':>13} {'measured MiB':>13} {'error':>7}")
     for (sync, m), got in zip(CASES, found, strict=True):
         want = real[(sync, m)]
-        print(f"  {sync:<6} {m:>2} {got.peak / 2**20:>13.2f} {want / 2**20:>13.2f} {(got.peak - want) / want:>+7.1%}")
+        print(f"  {sync:<16} {m:>2} {got.peak / 2**20:>13.2f} {want / 2**20:>13.2f} {(got.peak - want) / want:>+7.1%}")
     same = sorted(CASES, key=lambda c: found[CASES.index(c)].peak) == sorted(CASES, key=real.get)
     print(f"  same order of policies and micro batches: {'yes' if same else 'NO'}")
 
 
 def timing(folder: Path) -> None:
     model = llama_1b(folder / "llama-1b")
-    print("\n--plan for a 1B Llama (seq len 2048, bf16, --micro-batch 2, --device-memory-gib 80)")
-    for world in (8, 64):
-        cache = folder / f"cache-{world}"
-        for attempt in ("empty cache", "cached"):
-            cmd = [sys.executable, "-m", "accum_cli", "--plan", "--model", str(model), "--global-batch", "2048",
-                   "--micro-batch", "2", "--seq-len", "2048", "--world-size", str(world), "--device-memory-gib", "80"]  # fmt: skip
-            started = time.perf_counter()
-            done = subprocess.run(cmd, env=env() | {"ACCUM_TRAIN_CACHE": str(cache)}, capture_output=True, text=True)
-            wall = time.perf_counter() - started
-            line = next((x.strip() for x in done.stdout.splitlines() if "estimated at" in x), done.stderr[-300:])
-            chosen = next((x.strip()[:60] for x in done.stdout.splitlines() if x.strip().startswith("chosen:")), "")
-            print(f"  W={world:<3} {attempt:<12} wall {wall:5.1f} s | {line} | {chosen}")
+    for seq_len in (128, 2048):
+        print(f"\n--plan for a 1B Llama (seq len {seq_len}, bf16, --micro-batch auto, --device-memory-gib 80)")
+        for world in (8, 64):
+            cache = folder / f"cache-{world}-{seq_len}"
+            for attempt in ("empty cache", "cached"):
+                cmd = [sys.executable, "-m", "accum_cli", "--plan", "--model", str(model), "--global-batch", "2048",
+                       "--micro-batch", "auto", "--seq-len", str(seq_len), "--world-size", str(world),
+                       "--device-memory-gib", "80"]  # fmt: skip
+                started = time.perf_counter()
+                done = subprocess.run(
+                    cmd, env=env() | {"ACCUM_TRAIN_CACHE": str(cache)}, capture_output=True, text=True
+                )
+                wall = time.perf_counter() - started
+                lines = [x.strip() for x in done.stdout.splitlines()]
+                took = next((x.split("(in ")[-1].rstrip(")") for x in lines if x.startswith("estimated at")), "")
+                micro = next((x.split("(")[0].strip() for x in lines if x.startswith("micro batch") and "(" in x), "")
+                chosen = next((x[:40] for x in lines if x.startswith("chosen:")), done.stderr.strip()[-200:])
+                print(f"  W={world:<3} {attempt:<12} wall {wall:5.1f} s | estimates {took} | {micro} | {chosen}")
 
 
 def main() -> None:

@@ -2,13 +2,14 @@
 
 Run under torchrun on real ranks (gloo on CPU); rank 0 prints one JSON line per case:
 
-    torchrun --nproc-per-node 2 bench/measure_peak.py --model PATH --seq-len 128 --sync every last --micro-batch 1 4
+    torchrun --nproc-per-node 2 bench/measure_peak.py --model PATH [PATH ...] --seq-len 128 --sync every last --micro-batch 1 4
 
-Each case builds the model from its config with real weights (seeded), shards it with the run's
-own `model.shard` on the real process group, and runs the same `estimate.tracked_steps` as the
-estimate (two steps, the run's `microbatch_backward`, clipping, AdamW) with real tensors:
-FSDPMemTracker in real mode counts the bytes of every live tensor. The figure is the largest
-over the ranks. On CUDA, `torch.cuda.max_memory_allocated` of the same steps is printed as well.
+The model is built once from its config with real weights (seeded) and sharded with the run's
+own `model.shard` on the real process group; each case runs the same `estimate.tracked_step` as
+the estimate (an untracked step creates AdamW's state once, then a tracked step of the run's
+`microbatch_backward`, clipping and AdamW) with real tensors: FSDPMemTracker in real mode counts
+the bytes of every live tensor. The figure is the largest over the ranks. On CUDA,
+`torch.cuda.max_memory_allocated` of the same steps is printed as well.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a folder with the model's config.json")
+    parser.add_argument("--model", nargs="+", required=True, help="folders with the model's config.json, in turn")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--sync", nargs="+", default=["every", "last"])
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 4])
@@ -33,14 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
+def build(args: argparse.Namespace, model_dir: str, rt):
+    """The model with real weights (seeded), sharded by the run's own `model.shard`, and AdamW:
+    built once for all cases, as the estimate builds its fake model once for all queries."""
     from accum_cli import model as modeling
     from accum_cli import optim
     from accum_cli.config import TrainConfig
-    from accum_cli.estimate import fake_microbatches, tracked_step
     from accum_cli.sharding import ShardSettings
 
-    source = modeling.resolve_source(args.model)
+    source = modeling.resolve_source(model_dir)
     config = modeling.load_config(source, trust_remote_code=False)
     settings = ShardSettings(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
     if rt.device.type == "cuda":  # initialised on the GPU: a 1B model's CPU init would take minutes
@@ -54,6 +57,14 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
         model = modeling.load_model(source, config, False, seed=0)
     modeling.shard(model, rt.mesh(1), settings)
     optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=2)
+    return model, optimizer, config
+
+
+def measure(args: argparse.Namespace, built, sync: str, micro_batch: int, rt) -> dict:
+    from accum_cli.estimate import fake_microbatches, tracked_step
+
+    model, optimizer, config = built
+    started = time.perf_counter()
     torch.manual_seed(rt.rank)
     microbatches = fake_microbatches(config.vocab_size, micro_batch, args.seq_len, args.accum_steps, rt.device)
     loss_tokens = micro_batch * args.seq_len * args.accum_steps * rt.world_size
@@ -64,7 +75,7 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
     cuda_peak = torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else 0
     peaks = torch.tensor([peak, cuda_peak], dtype=torch.int64, device=rt.device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    del model, optimizer, microbatches
+    del microbatches
     gc.collect()
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -74,6 +85,7 @@ def measure(args: argparse.Namespace, sync: str, micro_batch: int, rt) -> dict:
         "peak": int(peaks[0]),
         "cuda_max_allocated": int(peaks[1]),
         "breakdown": breakdown,
+        "seconds": round(time.perf_counter() - started, 2),
     }
 
 
@@ -82,11 +94,15 @@ def main() -> None:
 
     args = parse_args()
     rt = runtime.start()
-    for sync in args.sync:
-        for micro_batch in args.micro_batch:
-            row = measure(args, sync, micro_batch, rt)
-            if rt.is_main:
-                print(json.dumps(row), flush=True)
+    for model_dir in args.model:  # one launch for several models: the launch costs more than a small model
+        built = build(args, model_dir, rt)
+        for sync in args.sync:
+            for micro_batch in args.micro_batch:
+                row = measure(args, built, sync, micro_batch, rt)
+                if rt.is_main:
+                    print(json.dumps({"model": model_dir, **row}), flush=True)
+        del built
+        gc.collect()
     dist.destroy_process_group()
 
 
