@@ -18,6 +18,7 @@ if [ ! -f "$PEERS_DIR/run_all.sh" ]; then
 fi
 export VENV="${VENV:-$HERE/.venv}" OUT="${OUT:-/tmp/accum-bench-peers}" REPS="${REPS:-3}"
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" ACCUM_PEER_DIR="${ACCUM_PEER_DIR:-/tmp/accum-peer}"
-export ONLY="${ONLY:-accelerate_ddp hf_trainer raw_fsdp2_sync_last accum_train}"
-export EXTRA_PEERS="accum_train|$PEERS_DIR/accum_train_peer.py"
+export ONLY="${ONLY:-accelerate_ddp hf_trainer raw_fsdp2_sync_last accum_train accum_train_compile}"
+# accum-train with its defaults, and with --compile (timed after the compile: steps 3-8)
+export EXTRA_PEERS="accum_train|$PEERS_DIR/accum_train_peer.py;accum_train_compile|$PEERS_DIR/accum_train_peer.py --compile"
 bash "$PEERS_DIR/run_all.sh"
