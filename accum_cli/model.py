@@ -293,6 +293,8 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     """fully_shard each decoder layer, then the root; gradients are summed, never averaged.
 
     On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
+    if settings.compile:  # before fully_shard: its hooks then wrap the compiled forward, eager
+        compile_layers(model)
     if settings.activation_checkpointing:
         # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -354,10 +356,7 @@ def describe_replicated(model: nn.Module) -> str:
 def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:
     """The sharded model on every rank, its weights read once per rank or once in all."""
     if not (settings.rank0_loading and rt.world_size > 1):
-        model = load_model(source, config, cfg.trust_remote_code, cfg.seed)
-        if settings.compile:
-            compile_layers(model)
-        return shard(model, mesh, settings)
+        return shard(load_model(source, config, cfg.trust_remote_code, cfg.seed), mesh, settings)
     from transformers import AutoModelForCausalLM
 
     # Only rank 0 holds the full weights in CPU memory; the others shard an empty (meta)
@@ -370,8 +369,6 @@ def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt,
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
         model.train()
         full_state = {}
-    if settings.compile:
-        compile_layers(model)
     shard(model, mesh, settings)
     if not rt.is_main:
         model.to_empty(device="cpu" if settings.offload_params else rt.device)

@@ -292,12 +292,13 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
-        if resume == RESUME_AUTO and meta.step == total_steps and finished(out, meta):
+        done = meta.step == total_steps and finished(out, meta)
+        if done and resume == RESUME_AUTO:
             raise AlreadyFinished(
                 f"nothing to do: {out} already finished its {total_steps} steps and holds {out / 'final'}; "
                 "raise --max-steps to train on"
             )
-        if meta.step == total_steps and not finished(out, meta):
+        if meta.step == total_steps and not done:
             final = out / "final"
             aside = f"mv {final} {out / 'final.old'} && " if final.exists() else ""
             raise UserError(
@@ -507,8 +508,10 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
         wrapped = modeling.describe_replicated(model)
     else:
-        if rt.device.type == "cpu" and hostmem.follow_live_tensors() and rt.is_main:
-            print(f"  {'host memory':<18}freed tensors go back to the system (fixed mmap threshold)", flush=True)
+        if rt.device.type == "cpu":  # sharding is for memory: hand freed tensors back (hostmem.py)
+            lean = hostmem.follow_live_tensors()
+            if lean and rt.is_main:
+                print(f"  {'host memory':<18}freed tensors go back to the system (fixed mmap threshold)", flush=True)
         model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
         wrapped = modeling.describe_sharding(model)
     if rt.is_main:
