@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,7 +291,8 @@ def save(
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        save_file(rng, str(rng_file))
+        with modeling.safetensors_writes():
+            save_file(rng, str(rng_file))
         _chmod_as_umask(rng_file)
 
     def checksum_my_share() -> None:
@@ -348,19 +350,26 @@ def _save_failure(final: Path, error: BaseException | None, need: int, root: Pat
         for pair in error.failures.values():
             inner = pair[0] if isinstance(pair, tuple) else pair
             code = getattr(inner, "errno", None) or code
-    try:
-        free = shutil.disk_usage(final.parent if final.parent.exists() else root).free
-    except OSError:
-        free = 0
     previous = latest(root)
     kept = f"the previous checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
-    if code in DISK_FULL:
-        why = f"the disk is full (about {_mb(need)} needed, {_mb(free)} free)"
+    why = full_disk(code, need, final.parent if final.parent.exists() else root)
+    if why is not None:
         fix = "free space or pass another --output-dir, then --resume"
     else:
         why = f"{first_line(error) if error else 'another rank failed'}"[:300]
         fix = "check the folder's permissions and space, then --resume"
     return f"checkpoint {final} could not be written: {why}; {kept}; {fix}"
+
+
+def full_disk(code: int | None, need: int, folder: Path) -> str | None:
+    """What to say when a write failed with `code` because the disk is full; None for other failures."""
+    if code not in DISK_FULL:
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = 0
+    return f"the disk is full (about {_mb(need)} needed, {_mb(free)} free)"
 
 
 def _mb(n_bytes: int) -> str:
@@ -401,7 +410,9 @@ def _dcp_load(state: dict, meta: Meta, flag: str, no_dist: bool = False) -> None
     try:
         metadata = safe_dcp.read_metadata(meta.path, meta.files)
         reader = safe_dcp.VerifiedReader(meta.path, meta.files, metadata)
-        dcp.load(state, storage_reader=reader, planner=safe_dcp.WeightsOnlyPlanner(), no_dist=no_dist)
+        with warnings.catch_warnings():  # an export loads in one process on purpose: DCP need not say so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=safe_dcp.WeightsOnlyPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise _refusal(exc, meta.path, flag) from None
 
@@ -452,7 +463,8 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
     try:
         tmp.mkdir(parents=True)
         outdir.mark(tmp, "export")
-        model.save_pretrained(tmp, safe_serialization=True)
+        with modeling.safetensors_writes():
+            model.save_pretrained(tmp, safe_serialization=True)
         modeling.stamp_dtype(tmp, dtype)
         with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
             AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)

@@ -255,8 +255,11 @@ def export_main(
     ] = "auto",
 ) -> None:
     """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
+    from transformers.utils import logging as hf_logging
+
     from accum_cli.checkpoint import export
 
+    hf_logging.disable_progress_bar()  # one line on success, one on failure
     try:
         if export_dtype not in EXPORT_DTYPES:
             raise UserError(f"--export-dtype {export_dtype!r} is unknown; use one of: {', '.join(EXPORT_DTYPES)}")

@@ -410,6 +410,24 @@ def stamp_dtype(folder: Path, dtype: torch.dtype) -> None:
     path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+@contextlib.contextmanager
+def safetensors_writes():
+    """safetensors reports a failed write (a full disk) as its own SafetensorError, not as an
+    OSError: give it back as the OSError it wraps, so the callers' one-line reports see it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        code = _OS_ERROR.search(str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from exc
+
+
 def follow_umask(tree: Path) -> None:
     """mkdtemp makes 0700 folders and transformers writes 0600 safetensors: give a published
     model the modes every other file gets (0666/0777 less the umask), so colleagues on a
@@ -436,7 +454,8 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         outdir.mark(tmp, "final model")
-        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        with safetensors_writes():
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         stamp_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -665,9 +665,12 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
     except OSError as exc:
         error = exc
     if not runtime.all_ok(error is None, s.rt.device):
-        why = f"{error.strerror or error}" if error else "it failed on rank 0"
+        need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        why = checkpoint.full_disk(getattr(error, "errno", None), need, s.output_dir)
+        if why is None:
+            why = f"{error.strerror or error}" if error else "it failed on rank 0"
         raise checkpoint.SaveFailed(
-            f"the final model could not be written to {s.output_dir / 'final'} ({why}); the checkpoint "
+            f"the final model could not be written to {s.output_dir / 'final'}: {why}; the checkpoint "
             f"{last_checkpoint} holds the trained state: free space, then accum-export {last_checkpoint} OUT"
         )
 

@@ -399,16 +399,27 @@ def test_a_lost_rank_is_one_line_naming_it(root, tmp_path):
 # --- a full disk -------------------------------------------------------------------------------
 
 
+def mount_tmpfs(mount: Path, size: str) -> Path:
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.decode().strip()}); needs root")
+    return mount
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 2.5 MB filesystem: room for one checkpoint of the tiny model, not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.decode().strip()}); needs root")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield mount_tmpfs(tmp_path / "disk", "2600k")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 2 MB filesystem: room for one checkpoint of the tiny model (1.7 MB), not for the
+    final model (0.5 MB) beside it."""
+    yield mount_tmpfs(tmp_path / "disk", "2000k")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
 
 
 def test_a_full_disk_costs_nothing_saved(root, small_disk):
@@ -422,6 +433,27 @@ def test_a_full_disk_costs_nothing_saved(root, small_disk):
     from accum_cli.checkpoint import read_meta
 
     read_meta(out / "checkpoints" / "step-000001")  # complete and verified
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny_disk, tmp_path):
+    """safetensors reports ENOSPC as its own error type, not OSError: it must still be one line."""
+    out = tiny_disk / "run"
+    result = run_cli(args(root, out, 1))
+    assert result.returncode == 74, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert f"the final model could not be written to {out / 'final'}: the disk is full (about" in line
+    assert "MB needed" in line and "step-000001 holds the trained state" in line
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".accum-train"], "no temporary folder"
+    from accum_cli.checkpoint import read_meta
+
+    ckpt = read_meta(out / "checkpoints" / "step-000001").path
+    export = [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(ckpt)]
+    full = subprocess.run([*export, str(tiny_disk / "hf")], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert full.returncode == 2, full.stdout + full.stderr
+    assert "export to" in one_error_line(full.stderr) and "No space left on device" in full.stderr
+    assert not (tiny_disk / "hf").exists() and not (tiny_disk / ".tmp-hf").exists()
+    ok(subprocess.run([*export, str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True))
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_leftovers_of_an_interrupted_save_are_tidied_at_the_next_start(root, trained, tmp_path):
