@@ -4,6 +4,7 @@ written. Table-driven through the real command (Typer's CliRunner, in process)."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -212,6 +213,32 @@ def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name):
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("accum-train: error: checkpoint "), result.output
     assert not target.exists()
+
+
+def test_a_read_only_data_cache_is_one_line(files, tmp_path, monkeypatch):
+    """ACCUM_TRAIN_CACHE where nothing can be written: a read-only filesystem (root writes
+    through mode bits), else a folder without write permission."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if os.geteuid() == 0:
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(cache)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here ({made.stderr.decode().strip()})")
+    else:
+        cache.chmod(0o555)
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(cache))
+    out = tmp_path / "out"
+    try:
+        result = CliRunner().invoke(app, ["--model", str(files["tiny"]), "--dataset", str(files["root"] / "tokens.jsonl"),
+                                          "--global-batch", "4", "--max-steps", "1", "--output-dir", str(out)])  # fmt: skip
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], capture_output=True, check=False)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert (
+        f"cannot write the data cache {cache}" in lines[0] and "set ACCUM_TRAIN_CACHE to a writable folder" in lines[0]
+    )
+    assert not out.exists(), "nothing is written on bad input"
 
 
 def test_the_table_covers_at_least_25_cases():
