@@ -166,6 +166,17 @@ def _validated(raw: object) -> dict:
 def read_meta(path: Path, flag: str = "--resume") -> Meta:
     """Validate a checkpoint before any collective touches it: meta.json's every field, every
     file present at its recorded size, and DCP's .metadata verified and safely unpickled."""
+    try:
+        return _read_meta(path, flag)
+    except OSError as exc:  # a folder this user may not list, say a colleague's
+        raise _unreadable(path, flag, exc) from None
+
+
+def _unreadable(path: Path, flag: str, exc: OSError) -> UserError:
+    return UserError(f"{flag} {path} cannot be read ({exc.strerror or exc}: {exc.filename}); check its permissions")
+
+
+def _read_meta(path: Path, flag: str) -> Meta:
     if not path.exists():
         raise UserError(f"{flag} {path} does not exist; pass a checkpoint folder or --resume alone for the latest")
     if not path.is_dir():
@@ -214,7 +225,10 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Meta | None:
     if resume is None:
         return None
     if resume in (RESUME_LATEST, RESUME_AUTO):
-        found = latest(output_dir)
+        try:
+            found = latest(output_dir)
+        except OSError as exc:
+            raise _unreadable(output_dir / CHECKPOINTS, "--resume", exc) from None
         if found is None and resume == RESUME_AUTO:
             return None
         if found is None:

@@ -56,6 +56,8 @@ def resolve(output_dir: str) -> Path:
         raise UserError(f"--output-dir {out} cannot be created: {existing} is a file; pick another folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--output-dir {out} cannot be written (no permission on {existing}); pick another folder")
+    if existing == out and not os.access(out, os.R_OK):  # its files must be listed before any is written
+        raise UserError(f"--output-dir {out} cannot be read (no permission); pick another folder")
     return out
 
 

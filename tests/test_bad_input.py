@@ -241,6 +241,51 @@ def test_a_read_only_data_cache_is_one_line(files, tmp_path, monkeypatch):
     assert not out.exists(), "nothing is written on bad input"
 
 
+def file_modes_apply() -> list[str]:
+    """A command prefix under which file modes apply: none for a user; for root (which reads
+    through them), setpriv dropping the capabilities that let it."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root reads through file modes, and setpriv is not here to stop that")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+UNREADABLE = {  # what is made unreadable, its mode, the command's arguments, part of the line
+    "export": ("ckpt", 0o000, ["{target}", "{out}"], "checkpoint {target} cannot be read (Permission denied"),
+    "resume": ("ckpt", 0o000, ["--resume", "{target}"], "--resume {target} cannot be read (Permission denied"),
+    "resume latest": ("checkpoints", 0o000, ["--resume"], "--resume {target} cannot be read (Permission denied"),
+    "output dir": ("run", 0o300, ["--resume"], "--output-dir {target} cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_an_unreadable_checkpoint_or_run_is_one_line(files, tmp_path, case):
+    """A folder of a colleague's that this user may not read: one line, exit 2, not a traceback."""
+    what, mode, argv, message = UNREADABLE[case]
+    run = tmp_path / "run"
+    shutil.copytree(files["ckpt"].parents[1], run)
+    target = {"ckpt": run / "checkpoints" / "step-000001", "checkpoints": run / "checkpoints", "run": run}[what]
+    out = tmp_path / "hf" if case == "export" else run
+    argv = [a.format(target=target, out=out) for a in argv]
+    if case == "export":
+        cmd = [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", *argv]
+    else:
+        cmd = [sys.executable, "-m", "accum_cli", "--model", str(files["tiny"]), "--dataset",
+               str(files["root"] / "tokens.jsonl"), "--global-batch", "4", "--micro-batch", "2", "--max-steps", "2",
+               "--output-dir", str(run), *argv]  # fmt: skip
+    target.chmod(mode)
+    try:
+        result = subprocess.run([*file_modes_apply(), *cmd], cwd=REPO, env=env(), capture_output=True, text=True)
+    finally:
+        target.chmod(0o755)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
+    assert lines[0].startswith("accum-train: error: " + message.format(target=target)), lines[0]
+    assert not (tmp_path / "hf").exists()
+
+
 def test_the_table_covers_at_least_25_cases():
     assert len(CASES) >= 25
 
