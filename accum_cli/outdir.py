@@ -84,6 +84,13 @@ def check(out: Path, overwrite: bool, resuming: bool) -> None:
         raise UserError(
             f"--output-dir {out} holds a previous run; pass --resume to continue it, --overwrite, or another --output-dir"
         )
+    final = out / "final"
+    if not resuming and final.is_dir() and not is_marked(final) and any(final.iterdir()):
+        # (a resumed run may find final/ written by accum-export: the run is then complete)
+        raise UserError(
+            f"--output-dir {out}: its final/ holds files accum-train did not write; move them away or pick "
+            "another --output-dir"
+        )
 
 
 def clear_previous_run(out: Path) -> None:

@@ -135,6 +135,21 @@ def test_overwrite_removes_only_accum_trains_own_files(root, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my-backup", "step-000001"]
 
 
+def test_overwrite_refuses_a_final_folder_of_someone_elses(root, tmp_path):
+    """A run of ours whose final/ the user replaced with their own: refused at the start, not
+    after the whole training when final/ cannot be replaced."""
+    out = tmp_path / "run"
+    ok(run_cli(args(root, out, 1)))
+    shutil.rmtree(out / "final")
+    (out / "final").mkdir()
+    (out / "final" / "precious.bin").write_bytes(b"mine")
+    before = tree_digest(out)
+    result = invoke([*args(root, out, 1), "--overwrite"])
+    assert result.exit_code == 2, result.output
+    assert "its final/ holds files accum-train did not write" in one_error_line(result.output)
+    assert tree_digest(out) == before
+
+
 def test_files_follow_the_umask(trained):
     """safetensors writes 0600; a colleague on a shared filesystem must be able to read them."""
     umask = os.umask(0)
