@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    BIN,
     REPO,
     env,
     free_port,
@@ -358,26 +359,38 @@ def test_a_second_run_is_refused_and_a_stale_lock_is_taken_over(root, tmp_path):
 # --- launchers ---------------------------------------------------------------------------------
 
 
-def start_wrapper(root: Path, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()),
-           *args(root, out, 400, "--micro-batch", "2", "--checkpoint-every", "3")]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_wrapper(root: Path, out: Path, launcher: str = "wrapper") -> subprocess.Popen:
+    """A 2-rank run under the --nproc wrapper or torchrun, in a session of its own."""
+    flags = args(root, out, 400, "--micro-batch", "2", "--checkpoint-every", "3")
+    if launcher == "wrapper":
+        cmd = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()), *flags]
+    else:
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "accum_cli", *flags]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 @pytest.mark.distributed
-def test_workers_stop_when_their_launcher_is_killed(root, tmp_path):
+@pytest.mark.parametrize("launcher", ["wrapper", "torchrun"])
+def test_workers_stop_when_their_launcher_is_killed(root, tmp_path, launcher):
     out = tmp_path / "run"
-    wrapper = start_wrapper(root, out)
+    wrapper = start_wrapper(root, out, launcher)
     wait_for_steps(out, 2, wrapper)
     workers = worker_pids(str(out))
     assert sorted(workers) == [0, 1]
-    wrapper.kill()  # kill -9: the elastic agent cannot stop them
-    wrapper.communicate()
+    os.killpg(wrapper.pid, signal.SIGKILL)  # kill -9 of the launcher's process group: nobody can stop them
+    wrapper.wait()  # not communicate(): the workers hold the same pipes, so reading them waits for the workers
     killed = time.monotonic()
     while worker_pids(str(out)) and time.monotonic() - killed < 30:
         time.sleep(0.2)
     gone_after = time.monotonic() - killed
-    assert not worker_pids(str(out)), "workers outlived their launcher"
+    wrapper.stdout.close()
+    wrapper.stderr.close()
+    left = worker_pids(str(out))
+    for pid in left.values():  # a failed test leaves no orphans behind
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "workers outlived their launcher"
     print(f"workers gone {gone_after:.1f} s after kill -9 of the launcher")
     steps = len(read_metrics(out))
     assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file(), "they saved before leaving"
