@@ -399,14 +399,16 @@ def prune(root: Path, keep: int) -> None:
 
 
 def tidy(root: Path) -> list[str]:
-    """At a run's start: remove what an interrupted save of ours left (temporary folders,
-    checkpoints without meta.json). Returns what was removed."""
+    """At a run's start: remove what an interrupted save of ours left (temporary folders of
+    checkpoints and of the final model, checkpoints without meta.json). Returns what was removed."""
     folder = root / CHECKPOINTS
+    entries = [*folder.iterdir()] if folder.is_dir() else []
     removed = []
-    if not folder.is_dir():
-        return removed
-    for entry in folder.iterdir():
-        leftover = entry.name.startswith(".tmp-step-") or (step_of(entry) is not None and not (entry / META).exists())
+    final_tmp = ".final-"  # modeling.save_final writes final/ in a temporary folder beside it
+    for entry in [*entries, *root.glob(f"{final_tmp}*")]:
+        leftover = entry.name.startswith((".tmp-step-", final_tmp)) or (
+            step_of(entry) is not None and not (entry / META).exists()
+        )
         if entry.is_dir() and leftover and outdir.is_marked(entry):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)

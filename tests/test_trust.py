@@ -495,7 +495,13 @@ def test_leftovers_of_an_interrupted_save_are_tidied_at_the_next_start(root, tra
     theirs = out / "checkpoints" / "step-000009"
     theirs.mkdir()
     (theirs / "keep.txt").write_text("not ours")
+    final_tmp = out / ".final-k1ll3d"  # the final model's temporary folder (killed while writing it)
+    shutil.copytree(out / "final", final_tmp)
+    their_tmp = out / ".final-theirs"
+    their_tmp.mkdir()
+    (their_tmp / "keep.txt").write_text("not ours")
     result = ok(run_cli(args(root, out, 3, "--resume")))
-    assert "removed what an interrupted save left: .tmp-step-000003, step-000004" in result.stdout
-    assert not ours.exists() and not torn.exists()
+    assert "removed what an interrupted save left: .final-k1ll3d, .tmp-step-000003, step-000004" in result.stdout
+    assert not ours.exists() and not torn.exists() and not final_tmp.exists()
     assert (theirs / "keep.txt").read_text() == "not ours"
+    assert (their_tmp / "keep.txt").read_text() == "not ours"
