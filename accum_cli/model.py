@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import importlib.util
 import json
 import os
@@ -451,6 +452,8 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
         state.pop(tied_name, None)
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.is_dir() and not outdir.is_marked(out_dir) and any(out_dir.iterdir()):
+        raise FileExistsError(errno.EEXIST, "it holds files accum-train did not write (move them away)", str(out_dir))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         outdir.mark(tmp, "final model")

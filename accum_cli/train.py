@@ -666,12 +666,12 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
         error = exc
     if not runtime.all_ok(error is None, s.rt.device):
         need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        why = checkpoint.full_disk(getattr(error, "errno", None), need, s.output_dir)
-        if why is None:
-            why = f"{error.strerror or error}" if error else "it failed on rank 0"
+        full = checkpoint.full_disk(getattr(error, "errno", None), need, s.output_dir)
+        why = full or (f"{error.strerror or error}" if error else "it failed on rank 0")
         raise checkpoint.SaveFailed(
             f"the final model could not be written to {s.output_dir / 'final'}: {why}; the checkpoint "
-            f"{last_checkpoint} holds the trained state: free space, then accum-export {last_checkpoint} OUT"
+            f"{last_checkpoint} holds the trained state: {'free space' if full else 'fix that'}, then "
+            f"accum-export {last_checkpoint} OUT"
         )
 
 

@@ -151,6 +151,22 @@ def test_overwrite_refuses_a_final_folder_of_someone_elses(root, tmp_path):
     assert tree_digest(out) == before
 
 
+def test_a_resumed_run_never_replaces_a_final_folder_of_someone_elses(root, tmp_path):
+    """--resume trains on; at the end final/ holds the user's files: kept, one line that says so."""
+    out = tmp_path / "run"
+    ok(run_cli(args(root, out, 1)))
+    shutil.rmtree(out / "final")
+    (out / "final").mkdir()
+    (out / "final" / "precious.bin").write_bytes(b"mine")
+    result = run_cli(args(root, out, 2, "--resume"))
+    assert result.returncode == 74, result.stdout + result.stderr
+    line = one_error_line(result.stderr)
+    assert "final model could not be written to" in line and "it holds files accum-train did not write" in line
+    assert "free space" not in line and "step-000002 holds the trained state" in line
+    assert [p.name for p in (out / "final").iterdir()] == ["precious.bin"]
+    assert (out / "final" / "precious.bin").read_bytes() == b"mine"
+
+
 def test_files_follow_the_umask(trained):
     """safetensors writes 0600; a colleague on a shared filesystem must be able to read them."""
     umask = os.umask(0)
