@@ -150,6 +150,8 @@ MUTANTS = [
     Mutant("checkpoint: prune keeps one too few", "accum_cli/checkpoint.py",
            "complete[: max(len(complete) - keep, 0)]", "complete[: max(len(complete) - keep + 1, 0)]",
            (ORDER, f"{CK}::test_checkpoints_are_complete_and_pruned")),
+    Mutant("checkpoint: a save without meta.json is not called incomplete", "accum_cli/checkpoint.py",
+           "    if not meta_file.is_file():\n", "    if False:\n", (BAD, "-k", "export_of and incomplete")),
     Mutant("checkpoint: torn shards accepted", "accum_cli/checkpoint.py",
            'if file.stat().st_size != entry["bytes"]:', "if False:", (BAD, "-k", "torn")),
     Mutant("checkpoint: .metadata not verified", "accum_cli/safe_dcp.py",  # read unverified, still safely
