@@ -22,7 +22,7 @@ from accum_cli.cli import app
 pytestmark = pytest.mark.distributed
 
 TWO_RANKS = ["every:1", "last:1", "last-keep-params:1", "every:3", "last:3", "last-keep-params:3", "every:2:ac"]
-FOUR_RANKS = ["hsdp-defer:1", "hsdp-defer:3", "every:2"]  # 2 replicas x 2 shards
+FOUR_RANKS = ["hsdp-defer:1", "hsdp-defer:3", "every:2", "last:3", "last-keep-params:3"]  # 2 replicas x 2 shards
 
 
 def on_four_ranks(case: str) -> str:
