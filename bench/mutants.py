@@ -170,9 +170,9 @@ MUTANTS = [
            equivalent="dcp.load fills the tensors of model.state_dict() in place, and those share the "
            "parameters' storage, so the load_state_dict after it copies each tensor onto itself"),
     Mutant("checkpoint: RNG state not restored", "accum_cli/checkpoint.py",
-           '        torch.set_rng_state(rng["cpu"])\n', "        pass\n", (CK, "-k", "resume_continues"),
-           equivalent="nothing in training draws random numbers after setup (no dropout in the "
-           "supported models' training config, the data order is seeded by step, not by the RNG)"),
+           '        torch.set_rng_state(rng["cpu"])\n', "        pass\n", (PROMISES, "-k", "random_state")),
+    Mutant("train: dropout draws from an unseeded RNG", "accum_cli/train.py",
+           "    torch.manual_seed((cfg.seed + rt.rank) % 2**64)\n", "", (PROMISES, "-k", "random_state")),
     Mutant("model: final/ loses a layer", "accum_cli/model.py",
            "model.save_pretrained(tmp, state_dict=state, safe_serialization=True)",
            'model.save_pretrained(tmp, state_dict={k: v for k, v in state.items() if ".1." not in k}, '
@@ -218,8 +218,7 @@ MUTANTS = [
            "return range(start, start + base + (1 if rank < extra else 0))", "return range(start, start + base)",
            ("tests/test_data.py", "-k", "cache_is_reused")),
     Mutant("evaluate: eval in training mode", "accum_cli/evaluate.py", "    model.eval()\n", "",
-           ("tests/test_data.py", "-k", "cache_is_reused"),
-           equivalent="the supported models have no dropout or batch-dependent layers in training mode"),
+           (PROMISES, "-k", "without_dropout")),
     # --- prepare -----------------------------------------------------------------------------------
     Mutant("prepare: a dataset with no rows is not refused up front", "accum_cli/prepare.py",
            "    if len(raw) == 0:\n", "    if False:\n", (PROMISES, "-k", "no_rows")),
