@@ -1,6 +1,7 @@
 """Promises that no other test pinned down, each by what a user would see: --strict-batch on a
 real run, the learning-rate schedule, the data order across epochs and after a resume with
-another global batch, the token counts, the prepared-data cache, `auto` on one rank, dropout in evaluation and on resume."""
+another global batch, the token counts, the prepared-data cache, `auto` on one rank, dropout in
+evaluation and on resume."""
 
 from __future__ import annotations
 
