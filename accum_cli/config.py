@@ -126,7 +126,7 @@ class TrainConfig:
     adam_beta2: float = option(0.95, "AdamW beta2.", OPTIMISATION, ge=0, le=1)
     adam_eps: float = option(1e-8, "AdamW epsilon.", OPTIMISATION, ge=0)
     grad_clip: float = option(1.0, "Max global gradient L2 norm; 0 disables clipping.", OPTIMISATION, ge=0)
-    seed: int = option(0, "Seed of the data order and of the weights of a model built from its config.",
+    seed: int = option(0, "Seed of the data order, of dropout and of the weights of a model built from its config.",
                        OPTIMISATION, ge=0, le=SEED_MAX)  # fmt: skip
     moe_aux_loss: str = option(
         "exact", "Mixture-of-experts router balancing loss (when the model config asks for it): exact (the step's "

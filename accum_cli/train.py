@@ -541,6 +541,9 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         loss, tokens = eval_loss(model, eval_reader, rt.rank, rt.world_size, plan.micro_batch, rt.device)
         return {"eval_loss": loss, "eval_loss_tokens": tokens}
 
+    # What training draws (a model's dropout) comes from the run's seed, one stream per rank, so
+    # a rerun gives the same losses; a resume then restores the checkpoint's state instead.
+    torch.manual_seed((cfg.seed + rt.rank) % 2**64)
     start_step, first_sample, origin = 0, 0, (0, 0)
     if s.resume is not None:
         seconds = checkpoint.load(s.resume, model, optimizer)

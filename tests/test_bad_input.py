@@ -203,15 +203,26 @@ def test_bad_input(files, tmp_path, flags, message):
     assert not out.exists(), "nothing is written on bad input"
 
 
-@pytest.mark.parametrize("name", ["incomplete", "corrupt-meta", "torn-shard", "a-file"])
-def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name):
+# Each message by words its folder's name does not hold ("incomplete" alone would match the path).
+EXPORT_CASES = [
+    ("incomplete", "is incomplete (no meta.json: the save did not finish)"),
+    ("corrupt-meta", ": meta.json is corrupt ("),
+    ("torn-shard", "is corrupt: file __0_0.distcp is 64 bytes but"),
+    ("a-file", "is a file; pass a checkpoint folder"),
+]
+
+
+@pytest.mark.parametrize("name, message", EXPORT_CASES, ids=[name for name, _ in EXPORT_CASES])
+def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name, message):
     from accum_cli.cli import export_app
 
     target = tmp_path / "hf"
-    result = CliRunner().invoke(export_app, [str(files[name] if name in files else files["root"] / name), str(target)])
+    folder = files[name] if name in files else files["root"] / name
+    result = CliRunner().invoke(export_app, [str(folder), str(target)])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("accum-train: error: checkpoint "), result.output
+    assert len(lines) == 1 and lines[0].startswith(f"accum-train: error: checkpoint {folder}"), result.output
+    assert message in lines[0], lines[0]
     assert not target.exists()
 
 

@@ -1,8 +1,11 @@
 """Promises that no other test pinned down, each by what a user would see: --strict-batch on a
 real run, the learning-rate schedule, the data order across epochs and after a resume with
-another global batch, the token counts, the prepared-data cache, `auto` on one rank."""
+another global batch, the token counts, the prepared-data cache, `auto` on one rank, dropout in
+evaluation and on resume."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -102,3 +105,53 @@ def test_a_dataset_with_no_rows_is_refused_before_any_work():
 
     with pytest.raises(UserError, match="^the dataset is empty; pass a dataset with at least one row$"):
         prepare.check(datasets.Dataset.from_dict({"text": []}), ByT5Tokenizer(), prepare.Options(16))
+
+
+def save_dropout_model(path):
+    """The tiny model with attention dropout: train mode draws random numbers in every forward,
+    as a user's GPT-2 (dropout 0.1) does. accum-train keeps the model's own dropout."""
+    save_tiny_model(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.5}))
+    return path
+
+
+def test_eval_loss_is_computed_without_dropout(tmp_path, monkeypatch):
+    """The eval loss of a model with dropout is its eval-mode loss, and training mode comes back."""
+    import datasets
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+    from accum_cli.data import MicrobatchReader
+    from accum_cli.evaluate import eval_loss
+    from accum_cli.loop import token_loss_sum
+
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
+    raw = datasets.Dataset.from_dict({"text": [f"row {i} of some words of text " * 3 for i in range(6)]})
+    dataset, _, _ = prepare.prepare(raw, ByT5Tokenizer(), prepare.Options(32), True, True, lambda: None)
+    model = AutoModelForCausalLM.from_pretrained(save_dropout_model(tmp_path / "model"), dtype=torch.float32)
+    model.train()
+    reader = MicrobatchReader(dataset, None, pad_id=0)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # conftest ends it
+    loss, tokens = eval_loss(model, reader, 0, 1, 2, torch.device("cpu"))
+    assert model.training, "training mode is restored after evaluation"
+    model.eval()
+    with torch.no_grad():
+        mb = reader.read(range(len(dataset)))
+        want = token_loss_sum(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits, mb.labels)
+    assert tokens == mb.loss_tokens
+    assert loss == pytest.approx(float(want) / mb.loss_tokens, rel=1e-5)
+
+
+def test_resume_restores_the_random_state_dropout_draws_from(tmp_path):
+    """With dropout, step 2 of a resumed run is step 2 of the uninterrupted one only if the
+    checkpoint's RNG state is restored (the masks differ otherwise)."""
+    model, data = save_dropout_model(tmp_path / "model"), write_ragged_tokens(tmp_path / "data.jsonl", n_rows=16)
+    common = ["--model", str(model), "--dataset", str(data), "--global-batch", "4", "--micro-batch", "2",
+              "--lr-schedule", "constant", "--warmup-steps", "0", "--seed", "3"]  # fmt: skip
+    metrics = {}
+    for name, steps, extra in (("whole", 2, []), ("part", 1, ["--checkpoint-every", "1"]), ("part", 2, ["--resume"])):
+        result = run_cli([*common, "--max-steps", str(steps), "--output-dir", str(tmp_path / name), *extra])
+        assert result.returncode == 0, result.stdout + result.stderr
+        metrics[name] = {m["step"]: m["loss"] for m in map(json.loads, (tmp_path / name / "metrics.jsonl").open())}
+    assert metrics["part"][2] == pytest.approx(metrics["whole"][2], rel=1e-6)
