@@ -292,7 +292,8 @@ def build_config(recipe_path: str | None, cli_overrides: dict[str, Any]) -> Trai
 
 
 def as_recipe(cfg: TrainConfig, head: str) -> str:
-    """The configuration as recipe YAML, its keys grouped by --help panel."""
+    """The configuration as recipe YAML, its keys grouped by --help panel; a null says in a comment
+    what it means (`lr: null  # 2e-5 for pretrained weights, ...`), as --help does."""
     values = cfg.to_dict()
     sections = [(panel, {n: values[n] for n, f in FIELDS.items() if f.metadata["panel"] == panel}) for panel in PANELS]
-    return recipe.dump(sections, head)
+    return recipe.dump(sections, head, {n: f.metadata["none_means"] for n, f in FIELDS.items()})

@@ -163,6 +163,11 @@ def set_attention(config, requested: str | None, device_type: str) -> None:
     config._attn_implementation = requested
 
 
+def check_router_loss(config, moe_aux_loss: str) -> None:
+    """A mixture of experts' balancing loss can be computed as --moe-aux-loss asks (moe.py)."""
+    moe.check_exact(config, moe_aux_loss, _causal_lm_class(config))
+
+
 def describe_attention(config, requested: str | None) -> str:
     """The header's attention line: what runs and why."""
     name = config._attn_implementation

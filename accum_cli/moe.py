@@ -21,6 +21,9 @@ accum-train computes its own cross-entropy, so it adds this term itself, in one 
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 
 from accum_cli.config import MOE_AUX_LOSSES
@@ -64,6 +67,24 @@ def unsupported(config) -> UserError:
         f"{config.model_type}: the model's router loss is not transformers' load_balancing_loss_func, "
         "so its exact share cannot be computed here; pass --moe-aux-loss microbatch"
     )
+
+
+# transformers' load_balancing_loss_func (Mixtral and the models that copy it): the formula above.
+STANDARD_SIGNATURE = ["gate_logits", "num_experts", "top_k", "attention_mask"]
+
+
+def check_exact(config, mode: str, model_class: type | None) -> None:
+    """Before any work: exact mode computes transformers' load_balancing_loss_func itself, so a model
+    class whose module balances with another function (Doge's product-key router takes num_keys)
+    is refused here. One that keeps the signature but not the formula is still caught on the first
+    microbatch, where our value is checked against the model's own (loop.balancing_term); so is a
+    model that ships its own code (model_class None)."""
+    if mode != EXACT or aux_loss_coef(config) == 0 or model_class is None:
+        return
+    _experts(config)
+    func = getattr(sys.modules[model_class.__module__], "load_balancing_loss_func", None)
+    if func is None or list(inspect.signature(func).parameters) != STANDARD_SIGNATURE:
+        raise unsupported(config)
 
 
 def router_stats(

@@ -99,11 +99,14 @@ def read_mapping(path: Path) -> dict[Any, Any]:
     return data
 
 
-def dump(sections: list[tuple[str, dict[str, Any]]], head: str) -> str:
-    """Recipe YAML: a comment line `head`, then each section's keys under its title."""
+def dump(sections: list[tuple[str, dict[str, Any]]], head: str, notes: dict[str, str]) -> str:
+    """Recipe YAML: a comment line `head`, then each section's keys under its title; a key whose
+    value is null gets `notes[key]` (what null means: the value is chosen at run time) as a comment."""
     lines = [f"# {head}"]
     for title, values in sections:
         lines.append(f"\n# {title}")
         for key, value in values.items():
-            lines.append(yaml.dump({key: value}, Dumper=Yaml12Dumper, width=1 << 16).rstrip("\n"))
+            line = yaml.dump({key: value}, Dumper=Yaml12Dumper, width=1 << 16).rstrip("\n")
+            note = notes.get(key) if value is None else None
+            lines.append(f"{line}  # {' '.join(note.split())}" if note else line)
     return "\n".join(lines) + "\n"

@@ -203,6 +203,7 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     model_config = modeling.load_config(source, cfg.trust_remote_code)
     modeling.check_weights(source)
     modeling.set_attention(model_config, cfg.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu")
+    modeling.check_router_loss(model_config, cfg.moe_aux_loss)
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")

@@ -130,6 +130,8 @@ CASES = [
     (["--model", "{tiny}", "--dataset", "{tokens.jsonl}", "--global-batch", "4", "--resume", "{torn-shard}"],
      "is corrupt: file __0_0.distcp is 64 bytes but"),
     (["--resume", "{ckpt}"], "was saved from a different model"),
+    # --resume auto keeps every check of --resume: the run's folder holds the tiny model's checkpoint
+    (["--output-dir", "{trained}", "--resume", "auto"], "was saved from a different model"),
     (["--recipe", "{unknown-key.yaml}"], "unknown key 'micro_bach'"),
     (["--recipe", "{wrong-type.yaml}"], "key 'global_batch' must be int, got str 'lots'"),
     (["--recipe", "{bad.yaml}"], "is not valid YAML"),

@@ -163,6 +163,9 @@ def test_print_config_is_a_recipe_of_the_resolved_configuration(tmp_path):
     cfg = build_config(str(printed), {})
     assert cfg == build_config(str(recipe), {"micro_batch": 4, "dataset_config": "1e5", "packing": False})
     assert (cfg.lr, cfg.global_batch, cfg.micro_batch, cfg.dataset_config) == (3e-4, 128, 4, "1e5")
+    # a value chosen at run time (null) says what it will be, as --help does
+    assert "\nseq_len: null  # 128 on the embedded corpus, else min(2048, model maximum)\n" in result.output
+    assert "\nlr: 0.0003\n" in result.output
 
 
 @pytest.mark.parametrize("code, requeued", [(75, True), (0, False), (1, False)])
