@@ -12,9 +12,10 @@ Formats, told apart by their columns (first match wins):
 Packing (the whole corpus as one stream of documents, cut into seq_len blocks) is the default
 for text; one document per row, truncated to seq_len and padded per microbatch, for the others.
 
-Preparation streams: worker processes tokenise chunks of rows in order, and the main process
-appends each chunk to the compact files of store.py, so memory stays flat whatever the corpus
-size. The result is published atomically under the cache, keyed by the raw data's fingerprint,
+Preparation streams: the main process reads the rows in order, a few MB at a time (local files
+are never converted into a copy first, see sources.py), worker processes tokenise each chunk,
+and the main process appends the chunks, in order, to the compact files of store.py, so memory
+stays flat whatever the corpus size. The result is published atomically under the cache, keyed by the raw data's fingerprint,
 the tokenizer and every option (`cache_key`: the identity of the prepared data), so a second
 run, or a second rank, reads it instead of tokenising again. Rank 0 prepares first; on a node
 that does not see its cache, that node's first local rank prepares while its siblings wait.
@@ -38,14 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
-from accum_cli.errors import UserError
+from accum_cli.errors import UserError, first_line
+from accum_cli.sources import Rows, rows_of
 from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
 
 PREP_VERSION = 2
 BATCH_ROWS = 1000  # rows per chunk at most
 BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
 PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
-WORKER_CHUNKS = 4  # chunks (of a few MB) a worker process tokenises before a fresh one takes over
 TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
@@ -105,11 +106,17 @@ def detect_format(columns: list[str], text_column: str) -> str:
     )
 
 
+def as_rows(raw) -> Rows:
+    """sources.Rows, or a datasets.Dataset made into them."""
+    return raw if isinstance(raw, Rows) else rows_of(raw)
+
+
 def check(raw, tokenizer, options: Options) -> str:
     """The cheap checks, on every rank before any collective, so all ranks fail alike."""
-    if len(raw) == 0:
+    rows = as_rows(raw)
+    if rows.num_rows == 0:
         raise UserError("the dataset is empty; pass a dataset with at least one row")
-    return check_columns(raw.column_names, raw.features, tokenizer, options)
+    return check_columns(rows.columns, rows.features, tokenizer, options)
 
 
 def check_columns(columns: list[str], features, tokenizer, options: Options) -> str:
@@ -263,7 +270,8 @@ def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    raw: object  # the datasets.Dataset, reduced to the columns the format reads (None: rows come as batches)
+    """How to tokenise a batch of rows: what each worker process is given once."""
+
     tokenizer: object
     options: Options
     fmt: str
@@ -275,11 +283,6 @@ def has_mask(fmt: str, columns: list[str], options: Options) -> bool:
     if fmt == "tokens":
         return "labels" in columns
     return fmt in ("chat", "prompt-completion") and not options.train_on_prompt
-
-
-def tokenise(job: Job, start: int, stop: int) -> Chunk:
-    """Rows [start, stop) -> one chunk of the store's arrays, its ids checked against the vocabulary."""
-    return tokenise_batch(job, job.raw[start:stop], start, stop - start)
 
 
 def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
@@ -335,34 +338,53 @@ def _init_worker(job: Job) -> None:
     _JOB = job
 
 
-def _work(start: int, stop: int) -> Chunk:
-    return tokenise(_JOB, start, stop)
+def _work(start: int, table) -> Chunk:
+    return tokenise_batch(_JOB, table.to_pydict(), start, table.num_rows)
 
 
-def chunks(job: Job, num_proc: int) -> Iterator[Chunk]:
-    """Every row's chunk, in order. With several processes, at most 2 x num_proc chunks are in
-    flight, so memory stays bounded whatever the corpus size."""
-    n, size = len(job.raw), job.raw.data.nbytes
-    rows = max(1, min(BATCH_ROWS, n * BATCH_BYTES // max(size, 1)))
-    bounds = [(start, min(start + rows, n)) for start in range(0, n, rows)]
-    if num_proc <= 1 or size < PARALLEL_ABOVE_BYTES:
-        for start, stop in bounds:
-            yield tokenise(job, start, stop)
+def tables(rows: Rows, columns: list[str]) -> Iterator[tuple[int, object]]:
+    """(the first row's index, an Arrow table of the next rows), in order: at most BATCH_ROWS rows
+    and about BATCH_BYTES each, so long documents make chunks of fewer rows."""
+    batches = rows.tables(columns, BATCH_ROWS)
+    start = 0
+    while True:
+        try:
+            table = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:  # a malformed line further on in a local file
+            raise UserError(
+                f"the dataset cannot be read after row {start}: {first_line(exc)}; fix or remove that row"
+            ) from None
+        step = max(1, table.num_rows * BATCH_BYTES // max(table.nbytes, 1))
+        for offset in range(0, table.num_rows, step):
+            piece = table.slice(offset, step)
+            yield start, piece
+            start += piece.num_rows
+
+
+def chunks(job: Job, rows: Rows, columns: list[str], num_proc: int) -> Iterator[tuple[Chunk, int]]:
+    """Every row's chunk, in order, with the Arrow bytes of the rows it came from. With several
+    processes, at most 2 x num_proc chunks are in flight, so memory stays bounded whatever the
+    corpus size."""
+    if num_proc <= 1 or rows.nbytes < PARALLEL_ABOVE_BYTES:
+        for start, table in tables(rows, columns):
+            yield tokenise_batch(job, table.to_pydict(), start, table.num_rows), table.nbytes
         return
     # A fast (Rust) tokenizer used before the fork would otherwise warn and run single-threaded anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # fork shares the memory-mapped rows with the workers; elsewhere the job travels by pickle.
+    # fork starts the workers with the tokenizer already loaded; elsewhere the job travels by pickle.
     context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    # Workers are replaced now and then: the memory-mapped rows they read count in their resident
-    # memory, which would otherwise grow with the corpus.
-    with context.Pool(num_proc, _init_worker, (job,), maxtasksperchild=WORKER_CHUNKS) as pool:
+    with context.Pool(num_proc, _init_worker, (job,)) as pool:
         pending: deque = deque()
-        for start, stop in bounds:
-            pending.append(pool.apply_async(_work, (start, stop)))
+        for start, table in tables(rows, columns):
+            pending.append((pool.apply_async(_work, (start, table)), table.nbytes))
             if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
+                result, nbytes = pending.popleft()
+                yield result.get(), nbytes
         while pending:
-            yield pending.popleft().get()
+            result, nbytes = pending.popleft()
+            yield result.get(), nbytes
 
 
 def default_num_proc() -> int:
@@ -385,7 +407,8 @@ def cache_key(raw, tokenizer, options: Options, fmt: str) -> str:
     """The identity of the prepared data: the raw data's fingerprint, the tokenizer and every option."""
     from datasets.fingerprint import Hasher
 
-    return Hasher.hash([PREP_VERSION, raw._fingerprint, fmt, asdict(options), tokenizer if fmt != "tokens" else None])
+    fingerprint = as_rows(raw).fingerprint
+    return Hasher.hash([PREP_VERSION, fingerprint, fmt, asdict(options), tokenizer if fmt != "tokens" else None])
 
 
 def cached(key: str) -> tuple[Prepared, Stats] | None:
@@ -402,7 +425,7 @@ def cached(key: str) -> tuple[Prepared, Stats] | None:
         ) from None
 
 
-def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool):
+def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool):
     """Tokenise in a private folder, publish it atomically, return (prepared data, stats)."""
     root = cache_root()
     try:
@@ -418,12 +441,16 @@ def build(raw, tokenizer, options: Options, fmt: str, key: str, num_proc: int, s
         packed = options.packing if options.packing is not None else fmt == "text"
         needed = {"tokens": ["input_ids", "labels", "attention_mask"], "chat": ["messages"],
                   "prompt-completion": ["prompt", "completion"], "text": [options.text_column]}[fmt]  # fmt: skip
-        columns = [c for c in needed if c in raw.column_names]
-        job = Job(raw.select_columns(columns), tokenizer, options, fmt, packed, has_mask(fmt, columns, options))
+        columns = [c for c in needed if c in rows.columns]
+        job = Job(tokenizer, options, fmt, packed, has_mask(fmt, columns, options))
         writer = Writer(work, token_dtype(options.vocab_size), packed, options.seq_len, job.with_mask)
-        with writer, _progress(len(raw), show_progress) as bar:
-            for chunk in chunks(job, num_proc):
+        read = 0
+        with writer, _progress(rows.num_rows, show_progress) as bar:
+            for chunk, nbytes in chunks(job, rows, columns, num_proc):
                 writer.add(chunk)
+                read += nbytes
+                if rows.num_rows is None:  # JSON, CSV, text: the total, about, from the bytes read so far
+                    bar.total = max(bar.n + chunk.documents, round((bar.n + chunk.documents) * rows.nbytes / read))
                 bar.update(chunk.documents)
                 bar.set_postfix_str(f"{writer.n_tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s", False)
         meta = writer.finish()
@@ -490,7 +517,7 @@ def _umask() -> int:
     return mask
 
 
-def _progress(rows: int, show: bool):
+def _progress(rows: int | None, show: bool):
     from tqdm import tqdm
 
     return tqdm(total=rows, unit=" rows", desc="tokenising", delay=PROGRESS_AFTER_S, disable=not show,
@@ -504,24 +531,25 @@ def prepare(raw, tokenizer, options: Options, is_main: bool, is_node_leader: boo
     tokenised)."""
     if num_proc is not None and num_proc < 1:  # checked alike on every rank, so all fail together
         raise UserError(f"--num-proc must be >= 1, got {num_proc}")
-    fmt = check(raw, tokenizer, options)
-    key = cache_key(raw, tokenizer, options, fmt)
+    rows = as_rows(raw)
+    fmt = check(rows, tokenizer, options)
+    key = cache_key(rows, tokenizer, options, fmt)
     num_proc = num_proc or default_num_proc()
     found, tokenised = None, False
     if is_main:
         found = cached(key)
         if found is None:
-            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=True), True
+            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=True), True
     barrier()  # rank 0's copy is published
     if not is_main:
         found = cached(key)
         if found is None and is_node_leader:  # this node has a disk of its own
-            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=False), True
     barrier()  # every node leader's copy is published
     if found is None:  # a sibling of a node leader: the leader's copy, or (another cache still) our own
         found = cached(key)
         if found is None:
-            found, tokenised = build(raw, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=False), True
     data, stats = found
     check_trainable(stats, options)
     return data, stats, tokenised

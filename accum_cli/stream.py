@@ -50,7 +50,7 @@ class Source:
 
     raw: object  # a datasets.IterableDataset
     name: str  # how the user named it, for messages
-    job: prepare.Job  # its raw is None: the rows come in batches from the stream
+    job: prepare.Job
     seed: int
     shuffle_buffer: int
     max_positions: int | None  # the model's: longer pre-tokenised rows are refused
@@ -69,7 +69,7 @@ def open_source(raw, name: str, tokenizer, options: prepare.Options, seed: int, 
     columns = raw.column_names or list(first)
     fmt = prepare.check_columns(columns, raw.features, tokenizer, options)
     packed = options.packing if options.packing is not None else fmt == "text"
-    job = prepare.Job(None, tokenizer, options, fmt, packed, prepare.has_mask(fmt, columns, options))
+    job = prepare.Job(tokenizer, options, fmt, packed, prepare.has_mask(fmt, columns, options))
     return Source(raw, name, job, seed, shuffle_buffer, max_positions)
 
 
@@ -80,8 +80,7 @@ def identity(dataset: str | None, config_name: str | None, split: str, source: S
     if dataset is None:
         origin = ["embedded", Hasher.hash(sources.embedded_documents())]
     elif sources.is_local(dataset):  # the files as they are now: an edited file is other data
-        files = sources.local_files(dataset)
-        origin = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        origin = sources.local_origin(sources.local_files(dataset))
     else:  # a hub dataset: its id (a new revision on the hub is not seen)
         origin = [dataset, config_name, split]
     job = source.job

@@ -16,15 +16,16 @@ Then the training-time cost of reading one global batch from the memory-mapped c
 
     python bench/data.py --tokens 40e6 400e6 --num-proc 2
 
-Measured 2026-12-03 on the shared 2-core machine (load average ~10 from other jobs, so seconds
-are noisy; RSS and bytes are not), num_proc 2, seq_len 1024:
+Measured 2026-12-03 13:05-13:20 UTC on the 2-core machine (load ~1-2), num_proc 2, seq_len 1024.
+accum-train's seconds include reading the Parquet file (it reads as it tokenises); plain's do not:
 
-    40M tokens   before (main branch)  184.7 s  0.22M tok/s  main peak 1.02 GiB   12.02 B/token
-                 accum-train            65-118 s 0.34-0.62M   main 0.22, worker 0.27  2.00 B/token
-                 plain datasets.map     91-109 s 0.37-0.44M   main 0.16, worker 0.46  5.00 B/token
-    400M tokens  accum-train            581 s    0.69M        main 0.28 (0.35 after loading), worker 0.30  2.00
-                 plain datasets.map     798 s    0.50M        main 0.22, worker 0.67  5.00
-    reading a global batch of 512 x 1024 tokens: 59 ms (40M corpus), 41 ms (400M corpus)
+    40M tokens   accum-train   10.3-12.3 s  3.25-3.89M tok/s  main 0.43-0.44 GiB, largest worker 0.34  2.00 B/token
+                 plain map     12.1 s       3.31M tok/s       main 0.18, largest worker 0.52             5.00 B/token
+    400M tokens  accum-train   173.7 s      2.31M tok/s       main 0.45 GiB, largest worker 0.37         2.00 B/token
+    reading a global batch of 512 x 1024 tokens: 10-18 ms (40M corpus), 13 ms (400M corpus)
+
+Before local files were read as a stream (same day, load ~10): loading the Parquet file through
+`datasets.load_dataset` alone peaked at 198, 254 and 480 MiB for 40M, 160M and 400M tokens.
 """
 
 from __future__ import annotations
@@ -62,14 +63,20 @@ def write_corpus(path: Path, tokens: int) -> int:
 
 
 def measure(mode: str, corpus: str, num_proc: int, cache: str) -> dict:
-    """Runs in a fresh process: load the rows, then time their tokenisation alone."""
+    """Runs in a fresh process: load the rows, then time their tokenisation (for accum-train,
+    reading the files too: it reads them as it tokenises)."""
     import datasets
     from transformers import ByT5Tokenizer
 
     os.environ["ACCUM_TRAIN_CACHE"] = cache
     datasets.disable_progress_bars()
     started = time.perf_counter()
-    raw = datasets.load_dataset("parquet", data_files=[corpus], split="train")
+    if mode == "accum":  # the product's path: the files read as preparation goes, no Arrow copy first
+        from accum_cli import sources
+
+        raw = sources.load_raw(corpus)
+    else:
+        raw = datasets.load_dataset("parquet", data_files=[corpus], split="train")
     loaded_s = time.perf_counter() - started
     tokenizer = ByT5Tokenizer()
     before_rss = _rss_self()

@@ -4,6 +4,7 @@ accumulation, tokenisation once, and a world-size-independent order."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -564,3 +565,36 @@ def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp
     prepare_here(raw, None, prepare.Options(8, vocab_size=384))
     assert not abandoned.exists() and in_progress.exists()
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "csv", "parquet", "folder"])
+def test_local_files_are_read_as_they_are_prepared_with_no_copy_of_the_corpus(model, tmp_path, monkeypatch, kind):
+    """Local files are read batch by batch while tokenising (memory flat whatever their size): the
+    result is the same as preparing the same rows from memory, the datasets cache gets no Arrow copy
+    of them, and editing a file makes it other data (another cache key)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from accum_cli import sources
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(prepare, "BATCH_ROWS", 5)  # several tables, and blocks straddling them
+    monkeypatch.setattr(prepare, "PARALLEL_ABOVE_BYTES", 0)  # through the worker processes too
+    path, _ = write_sources(tmp_path)[kind]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    options = prepare.Options(32, vocab_size=384)
+    texts = [sentence(i, 30 + i) for i in range(12)]
+    if kind == "folder":  # part0, part1, part2 in order
+        texts = [t for i in range(3) for t in texts[i::3]]
+    rows = sources.load_raw(path)
+    from_files, stats, _ = prepare_here(rows, tokenizer, options, num_proc=2)
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "memory-cache"))
+    from_memory, _, _ = prepare_here(datasets.Dataset.from_dict({"text": texts}), tokenizer, options)
+    assert stats.documents == 12 and len(from_files) == len(from_memory) > 5
+    assert np.array_equal(np.asarray(from_files.tokens), np.asarray(from_memory.tokens))
+    assert not list((tmp_path / "hf").rglob("*.arrow")), "no Arrow copy of the corpus"
+    key = prepare.cache_key(rows, tokenizer, options, "text")
+    edited = sorted(Path(path).rglob("*.jsonl"))[0] if kind == "folder" else Path(path)
+    modified = edited.stat().st_mtime_ns + 10**9  # rewritten: datasets' own fingerprint goes by time too
+    os.utime(edited, ns=(modified, modified))
+    assert prepare.cache_key(sources.load_raw(path), tokenizer, options, "text") != key
