@@ -376,14 +376,16 @@ def _save_failure(final: Path, error: BaseException | None, need: int, root: Pat
 
 
 def full_disk(code: int | None, need: int, folder: Path) -> str | None:
-    """What to say when a write failed with `code` because the disk is full; None for other failures."""
-    if code not in DISK_FULL:
-        return None
+    """What to say when a write failed with `code` because the disk is full; None for other failures.
+    A failure without an errno counts when the folder has less room than the state needs:
+    torch.save's zip writer, inside DCP, reports a short write as a RuntimeError ("unexpected pos")."""
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
-        free = 0
-    return f"the disk is full (about {_mb(need)} needed, {_mb(free)} free)"
+        free = None
+    if code not in DISK_FULL and (code is not None or free is None or free >= need):
+        return None
+    return f"the disk is full (about {_mb(need)} needed, {_mb(free or 0)} free)"
 
 
 def _mb(n_bytes: int) -> str:

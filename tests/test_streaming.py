@@ -106,13 +106,14 @@ def test_the_steps_train_on_the_same_samples_whatever_w_and_m(files, reference, 
 
 
 def test_a_resume_continues_the_stream_exactly(files, reference, tmp_path):
+    """Saved by one process, resumed by two (another m too): the position is in global samples."""
     expected = losses(read_metrics(reference))
     out = tmp_path / "resumed"
     shutil.copytree(reference, out)
     checkpoint = out / "checkpoints" / "step-000002"
     assert json.loads((checkpoint / "meta.json").read_text())["samples"] == 14  # the stream position
     result = run_cli(["--model", str(files["model"]), "--dataset", str(files["docs"]), *COMMON, "--micro-batch", "3",
-                      "--max-steps", str(STEPS), "--output-dir", str(out), "--resume", str(checkpoint)])  # fmt: skip
+                      "--max-steps", str(STEPS), "--output-dir", str(out), "--resume", str(checkpoint)], nproc=2)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "read again up to sample 14 to resume exactly" in result.stdout
     got = losses(read_metrics(out))

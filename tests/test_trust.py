@@ -8,6 +8,7 @@ killed, a real (tmpfs) disk filled.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -477,6 +478,17 @@ def test_a_full_disk_costs_nothing_saved(root, small_disk):
     from accum_cli.checkpoint import read_meta
 
     read_meta(out / "checkpoints" / "step-000001")  # complete and verified
+
+
+def test_a_write_failure_without_an_errno_is_a_full_disk_only_when_the_room_is_short(tmp_path):
+    """DCP sometimes reports a full disk as torch.save's RuntimeError("unexpected pos"), no errno."""
+    from accum_cli.checkpoint import full_disk
+
+    room = shutil.disk_usage(tmp_path).free
+    assert full_disk(None, room * 2, tmp_path).startswith("the disk is full (about")
+    assert full_disk(None, 1000, tmp_path) is None, "room enough: another failure"
+    assert full_disk(errno.EACCES, room * 2, tmp_path) is None, "a failure with another errno is that failure"
+    assert full_disk(errno.ENOSPC, 1000, tmp_path) is not None
 
 
 def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny_disk, tmp_path):
