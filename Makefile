@@ -22,7 +22,7 @@ run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"
