@@ -21,8 +21,10 @@ CASES = [(sync, m) for sync in SYNCS for m in (1, 4)]
 TOLERANCE = 0.15
 # Peaks measured this far apart must be ordered the same by the estimate. Closer ones are not
 # compared: on gloo a collective's buffers are sometimes still held at one moment, which moves a
-# measured peak by ~2% (last and last-keep-params at m = 4 are equal in both, give or take that).
-DISTINCT = 0.05
+# measured peak by up to ~6% (the embedded model's `last` at m = 1 measured 56.2 MB once, against
+# 53.1 MB for last-keep-params, which the estimate and other runs find equal: 3.2 MB, two of its
+# root group's reduce-scatter buffers).
+DISTINCT = 0.08
 
 
 def query(model_dir: Path, sync: str, micro_batch: int, world_size: int = 2) -> estimate.Query:
