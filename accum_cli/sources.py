@@ -150,7 +150,7 @@ def _local_rows(builder: str, files: list[Path], stream) -> Rows:
         import pyarrow.parquet as pq
 
         schema = pq.read_schema(files[0])
-        num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        num_rows = sum(pq.read_metadata(f).num_rows for f in files)
         return Rows(_parquet_tables(files), fingerprint, schema.names, Features.from_arrow_schema(schema), num_rows,
                     nbytes)  # fmt: skip
     first = next(iter(stream), None)
