@@ -577,7 +577,8 @@ def test_local_files_are_read_as_they_are_prepared_with_no_copy_of_the_corpus(mo
 
     from accum_cli import sources
 
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    # datasets reads its cache folder from its config at each load (the variable only at import)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
     monkeypatch.setattr(prepare, "BATCH_ROWS", 5)  # several tables, and blocks straddling them
     monkeypatch.setattr(prepare, "PARALLEL_ABOVE_BYTES", 0)  # through the worker processes too
     path, _ = write_sources(tmp_path)[kind]
