@@ -149,7 +149,7 @@ class TrainConfig:
     precision: str = option("auto", "bf16 (bf16 params, fp32 gradient reduction) or fp32; auto: the accelerate "
                             "config's, else bf16 on CUDA and fp32 on CPU.", LAUNCH, choices=PRECISIONS)  # fmt: skip
     layout: str = option("auto", "shard (FSDP2) or replicate (the whole state on every rank, one all-reduce per "
-                         "step); auto: replicate where the training state fits a device, else shard.", LAUNCH,
+                         "step); auto: replicate where its estimated peak memory fits the budget, else shard.", LAUNCH,
                          choices=LAYOUTS)  # fmt: skip
     replicas: int = option(1, "HSDP: model replicas, each sharded over world size / replicas ranks.", LAUNCH, ge=1)
     reshard_after_forward: bool | None = option(None, "Free gathered parameters after forward.", LAUNCH,
@@ -158,7 +158,8 @@ class TrainConfig:
                                                    none_means="the accelerate config's, else no")  # fmt: skip
     compile: bool | None = option(None, "torch.compile each decoder layer's forward (regional: a short compile, "
                                   "hooks stay eager); the same training up to fp32 rounding.", LAUNCH,
-                                  none_means="the accelerate config's dynamo backend, else no")  # fmt: skip
+                                  none_means="the accelerate config's dynamo backend, else auto: on from "
+                                  "step 3 when the steps measured say 20 min or more of training remain")  # fmt: skip
     offload_params: bool | None = option(None, "CUDA only: keep sharded parameters and optimizer state in CPU memory.",
                                          LAUNCH, none_means="the accelerate config's, else no")  # fmt: skip
     rank0_loading: bool | None = option(None, "Load the weights on rank 0 only and broadcast them.", LAUNCH,

@@ -34,6 +34,10 @@ KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activa
 ESTIMATE_TIMEOUT_S = 1800
 
 
+class EstimateFailed(UserError):
+    """The estimate could not be made (a model it cannot build or run, a child that died)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Query:
     """Everything the peak depends on; `model_config` is the model's config as a JSON dict."""
@@ -48,6 +52,7 @@ class Query:
     activation_checkpointing: bool
     reshard_after_forward: bool = True
     accum_steps: int = 2  # microbatches per step in the estimate (>= 2: the policies differ from the second on)
+    replicated: bool = False  # the whole model on every rank (layout.py), not sharded
 
     def key(self) -> str:
         import torch
@@ -96,11 +101,27 @@ class Session:
                 missing.append(index)
             else:
                 results[index] = hit
-        if missing:
-            for index, fresh in zip(missing, self._measure([queries[i] for i in missing]), strict=True):
-                _write_cache(queries[index], fresh)
-                results[index] = fresh
+        # A replicated model needs no fake process group, so it is measured here, without the
+        # child's start (seconds); a sharded one in the child.
+        here = [i for i in missing if queries[i].replicated]
+        there = [i for i in missing if not queries[i].replicated]
+        fresh = list(zip(here, self._measure_here([queries[i] for i in here]), strict=True))
+        if there:
+            fresh += zip(there, self._measure([queries[i] for i in there]), strict=True)
+        for index, result in fresh:
+            _write_cache(queries[index], result)
+            results[index] = result
         return [results[i] for i in range(len(queries))]
+
+    def _measure_here(self, queries: list[Query]) -> list[Estimate]:
+        if not queries:
+            return []
+        try:
+            return Measurer().measure(queries)
+        except Exception as exc:  # a model the estimate cannot build or run: one line, as from the child
+            raise EstimateFailed(
+                f"the memory estimate failed ({type(exc).__name__}: {first_line(exc)[:200]})"
+            ) from None
 
     def _measure(self, queries: list[Query]) -> list[Estimate]:
         if self._child is None:
@@ -141,7 +162,7 @@ class Session:
             lines = [line for line in self._log.read().strip().splitlines() if line.strip()]
             why = lines[-1] if lines else "the estimating process ended"
         self._log.close()
-        raise UserError(
+        raise EstimateFailed(
             f"the memory estimate failed ({why[:200]}); pass --micro-batch N and --sync every|last to skip it"
         )
 
@@ -220,17 +241,23 @@ def breakdown_of(snapshot: dict) -> dict:
     return result
 
 
-def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, device) -> tuple[int, dict]:
-    """One training step under FSDPMemTracker: its peak bytes per rank, and the breakdown at it.
+def tracked_step(
+    model, optimizer, microbatches, sync: str, loss_tokens: int, device, replicated: bool = False
+) -> tuple[int, dict]:
+    """One training step under FSDPMemTracker (MemTracker for a replicated model): its peak bytes
+    per rank, and the breakdown at it.
 
-    The run's own pieces: `loop.microbatch_backward` per microbatch, clipping, AdamW. AdamW's
+    The run's own pieces: `loop.microbatch_backward` per microbatch, the replicated layout's
+    bucketed gradient reduction (its collective left out, its buffers counted), clipping, AdamW. AdamW's
     moments are created first (zero gradients, one step: no forward needed), so the peak is the
     steady state's. The tracker's per-module statistics are reset between microbatches (it
     refuses a second forward of a module in one iteration otherwise)."""
     import torch
+    from torch._subclasses.fake_tensor import is_fake
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    from accum_cli.loop import microbatch_backward
+    from accum_cli.loop import microbatch_backward, reduce_replicated_gradients
 
     if not optimizer.state:
         for p in model.parameters():
@@ -244,19 +271,46 @@ def tracked_step(model, optimizer, microbatches, sync: str, loss_tokens: int, de
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
-    tracker.track_inputs(tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels)))
+    inputs = tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels))
+    if replicated:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, *inputs)
+    else:
+        tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
+        tracker.track_inputs(inputs)
     with tracker:
         for index, mb in enumerate(microbatches):
             microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
-            _label_accumulated_gradients(tracker, model)
+            if not replicated:
+                _label_accumulated_gradients(tracker, model)
             tracker.reset_mod_stats()
+        if replicated:  # fake tensors cannot meet a real collective: the estimate leaves it out
+            fake = is_fake(next(model.parameters()))
+            reduce_replicated_gradients(model, all_reduce=(lambda flat: None) if fake else None)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     snapshot = tracker.get_tracker_snapshot("peak")
     snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
-    return int(snap["Total"]), breakdown_of(snap)
+    return int(snap["Total"]), (replicated_breakdown_of(snap) if replicated else breakdown_of(snap))
+
+
+def replicated_breakdown_of(snapshot: dict) -> dict:
+    """MemTracker's peak snapshot in our kinds: a replicated model's parameters are all whole."""
+    from torch.distributed._tools.mem_tracker import _MemRefType as Kind
+
+    groups = {
+        "sharded_params": (),
+        "unsharded_params": (Kind.PARAM, Kind.BUFFER),
+        "gradients": (Kind.GRAD,),
+        "optimizer": (Kind.OPT,),
+        "activations": (Kind.ACT,),
+        "temporaries": (Kind.TEMP,),
+    }
+    named = {str(getattr(kind, "value", kind)): int(n) for kind, n in snapshot.items()}
+    result = {ours: sum(named.get(kind.value, 0) for kind in kinds) for ours, kinds in groups.items()}
+    result["temporaries"] += named["Total"] - sum(result.values())
+    return result
 
 
 def _label_accumulated_gradients(tracker, model) -> None:
@@ -296,7 +350,8 @@ def _build_key(query: Query) -> str:
 
 
 def _fake_model(query: Query, fake_mode):
-    """The model from its config in FakeTensorMode, sharded by the run's shard() on a fake world."""
+    """The model from its config in FakeTensorMode, sharded by the run's shard() on a fake world
+    (replicated: whole, as the replicated layout builds it)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -307,12 +362,20 @@ def _fake_model(query: Query, fake_mode):
     from accum_cli.runtime import Runtime
     from accum_cli.sharding import ShardSettings
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=query.world_size, store=fake_store())
     config_dict = dict(query.model_config)
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config.use_cache = False
+    if query.replicated:  # a plain model: no process group, fake or real, is needed or touched
+        with fake_mode:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            model.train()
+            if query.activation_checkpointing:  # as model.build_replicated does
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)
+        return model, optimizer, config
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=query.world_size, store=fake_store())
     settings = ShardSettings(
         bf16=query.bf16,
         reshard_after_forward=query.reshard_after_forward,
@@ -357,7 +420,9 @@ class Measurer:
                 config.vocab_size, query.micro_batch, query.seq_len, query.accum_steps, device
             )
             loss_tokens = query.micro_batch * query.seq_len * query.accum_steps * query.world_size
-            peak, breakdown = tracked_step(model, optimizer, microbatches, query.sync, loss_tokens, device)
+            peak, breakdown = tracked_step(
+                model, optimizer, microbatches, query.sync, loss_tokens, device, query.replicated
+            )
         return Estimate(peak, breakdown, time.perf_counter() - started)
 
 

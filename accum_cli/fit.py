@@ -19,7 +19,7 @@ in a few estimates (3-5), each one proved by measurement, never by extrapolation
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from accum_cli import estimate, policy
 from accum_cli.errors import UserError
@@ -42,12 +42,16 @@ class Target:
     activation_checkpointing: bool
     reshard_after_forward: bool = True
     strict_batch: bool = False
+    replicated: bool = False  # the replicated layout (layout.py): whole model, one reduction per step
 
     def query(self, sync: str, micro_batch: int) -> estimate.Query:
         return estimate.Query(
             self.model_config, self.world_size, self.replicas, micro_batch, self.seq_len, sync, self.bf16,
-            self.activation_checkpointing, self.reshard_after_forward,
+            self.activation_checkpointing, self.reshard_after_forward, replicated=self.replicated,
         )  # fmt: skip
+
+    def under(self, sync: str) -> str:
+        return "--layout replicate" if self.replicated else f"--sync {sync}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +121,18 @@ def fit(target: Target, micro_batch: int | str, sync: str, budget: Budget, show_
     return Fit(micro_batch, micro_reason, decision, found, per_sequence, seconds, all(e.cached for e in spent))
 
 
+def fit_replicated(target: Target, micro_batch: int | str, budget: Budget) -> tuple[int, str, estimate.Estimate]:
+    """The replicated layout's micro batch (`auto`: the largest that fits it) and its estimate there."""
+    target = replace(target, replicated=True)
+    cap = -(-target.global_batch // target.world_size)
+    with estimate.Session() as session:
+        if micro_batch == AUTO:
+            micro_batch, micro_reason, _ = _auto_micro_batch(target, policy.LAST, cap, budget, session.estimate)
+        else:
+            micro_reason = "as requested"
+        return micro_batch, micro_reason, session.estimate([target.query(policy.LAST, micro_batch)])[0]
+
+
 def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) -> tuple[int, str, int]:
     allowed = [m for m in range(1, cap + 1) if m == 1 or not target.strict_batch or _divisible(m, target) == m]
     peaks: dict[int, int] = {}
@@ -130,9 +146,10 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
     if one > budget.bytes:
         raise UserError(
             f"one sequence of {target.seq_len} tokens per microbatch needs an estimated {gib(one)} per rank under "
-            f"--sync {lean}, above the budget of {budget.describe()}; the smallest device memory that works is "
-            f"{gib(int(one / BUDGET_SHARE) + 1)}: use more ranks, --activation-checkpointing, --sync every, "
-            "or a shorter --seq-len"
+            f"{target.under(lean)}, above the budget of {budget.describe()}; the smallest device memory that works "
+            f"is {gib(int(one / BUDGET_SHARE) + 1)}: use "
+            + ("--layout shard (or auto)" if target.replicated else "more ranks, --sync every")
+            + ", --activation-checkpointing or a shorter --seq-len"
         )
     while True:
         fitting = max(m for m, peak in peaks.items() if peak <= budget.bytes)
@@ -146,7 +163,8 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
     over_m = over[0] if over else None
     per_sequence = (peaks[over_m] - peak) // (over_m - m) if over_m else (peak - one) // max(m - 1, 1)
     limit = f"= ceil(G/W) = {cap}: one microbatch per step" if m == cap else f"<= ceil(G/W) = {cap}"
-    reason = f"largest that fits ({limit}): estimated {gib(peak)} under {lean} vs budget {gib(budget.bytes)}"
+    under = "the replicated layout" if target.replicated else lean
+    reason = f"largest that fits ({limit}): estimated {gib(peak)} under {under} vs budget {gib(budget.bytes)}"
     return m, reason, max(per_sequence, 0)
 
 
@@ -166,8 +184,9 @@ def _divisible(m: int, target: Target) -> int:
     return m
 
 
-def describe(target: Target, result: Fit, budget: Budget) -> list[str]:
-    """The per-policy table: estimated peak per rank, its breakdown, and the micro batches that fit."""
+def describe(target: Target, result: Fit, budget: Budget, more: list[str] = ()) -> list[str]:
+    """The per-policy table: estimated peak per rank, its breakdown, and the micro batches that fit
+    (`more`: rows of the replicated layout, added to the table)."""
     lines = [
         f"budget            {budget.describe()}",
         f"estimated at      micro batch {result.micro_batch}, seq len {target.seq_len}, "
@@ -190,9 +209,21 @@ def describe(target: Target, result: Fit, budget: Budget) -> list[str]:
             f"  {'':<17} {parts}",
             f"  {'':<17} {policy.collectives_per_step(name, plan.accum_steps, target.replicas)} per decoder layer per step",
         ]
+    lines += more
     if result.per_sequence:
         lines.append(f"per sequence      +{gib(result.per_sequence)} per rank for each sequence in a microbatch")
     return lines
+
+
+def describe_replicated(found: estimate.Estimate, budget: Budget, micro_batch: int) -> list[str]:
+    """The replicated layout's row of the table: its estimated peak and breakdown."""
+    parts = ", ".join(f"{kind.replace('_', ' ')} {gib(found.breakdown[kind])}" for kind in estimate.KINDS[1:])
+    verdict = "fits" if found.peak <= budget.bytes else "does NOT fit"
+    return [
+        f"  {'replicated':<17} peak {gib(found.peak)} at micro batch {micro_batch}, {verdict}",
+        f"  {'':<17} whole params {parts.removeprefix('unsharded params ')}",
+        f"  {'':<17} one bucketed all-reduce of the gradients per step, no per-layer collectives",
+    ]
 
 
 def gib(n_bytes: int) -> str:

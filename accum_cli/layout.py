@@ -7,6 +7,10 @@ whole training state fits a device, `auto` replicates: plain modules, local accu
 the step's microbatches, then one bucketed all-reduce of the gradients (summed: the loss is
 already divided by the global loss-token count). Where it does not fit, FSDP2 shards it.
 
+What fits is the memory estimate's answer (estimate.py), not a rule of thumb: the run's own
+step on the replicated model, built whole in FakeTensorMode, at the micro batch the run will
+use, against the same budget the sharded policies are held to (fit.py).
+
 Replicated means one reduction per step, so the sync policy is `last` by construction; the
 lean policies (`every`, `hsdp-defer`) exist to save memory and need the sharded layout.
 """
@@ -15,18 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from accum_cli import estimate, fit, policy
 from accum_cli.errors import UserError
+from accum_cli.plan import Plan
 
 AUTO = "auto"
 SHARD = "shard"
 REPLICATE = "replicate"
 LAYOUTS = (AUTO, SHARD, REPLICATE)
-
-# fp32 parameters, gradients and AdamW's two moments, whole, on every rank.
-REPLICATED_STATE_BYTES_PER_PARAM = 16
-# The replicated state may take this share of a device: activations, temporaries and the
-# allocator's slack need the rest.
-REPLICATE_SHARE = 0.5
+ONE_REDUCTION = policy.Decision(policy.LAST, "replicated: one all-reduce per step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,48 +36,119 @@ class Decision:
     reason: str
 
 
-def replicated_state_bytes(n_params: int) -> int:
-    return n_params * REPLICATED_STATE_BYTES_PER_PARAM
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The layout, micro batch and sync policy of a run, and the estimates they came from."""
+
+    layout: Decision
+    micro_batch: int
+    micro_reason: str
+    policy: policy.Decision
+    sharded: fit.Fit | None = None  # the sharded layout's estimates, where they were made
+    replicated: estimate.Estimate | None = None  # the replicated layout's, where it was made
 
 
-def choose(
-    requested: str,
-    sync: str,
-    replicas: int,
-    bf16: bool,
-    n_params: int,
-    device_memory_bytes: int,
-    micro_batch_auto: bool = False,
-) -> Decision:
-    """Resolve --layout. Refuses, in one line, a replicated layout that cannot be honoured."""
+def blockers(sync: str, replicas: int, bf16: bool) -> list[str]:
+    """What only the sharded layout can do, among the flags asked for."""
+    found = []
+    if replicas > 1:
+        found.append("--replicas (HSDP) shards inside each replica")
+    if sync not in (policy.AUTO, policy.LAST):
+        found.append(f"--sync {sync} reduces more than once per step, to save memory only sharding has")
+    if bf16:
+        found.append("bf16 mixed precision is applied by FSDP2's policy")
+    return found
+
+
+def check(requested: str, sync: str, replicas: int, bf16: bool) -> None:
+    """The cheap refusals, before any estimate: an unknown layout, a replicated one that cannot be honoured."""
     if requested not in LAYOUTS:
         raise UserError(f"--layout {requested!r} is unknown; use one of: {', '.join(LAYOUTS)}")
-    state = replicated_state_bytes(n_params)
-    budget = int(device_memory_bytes * REPLICATE_SHARE)
-    numbers = f"replicated state {_gib(state)} vs {REPLICATE_SHARE:.0%} of {_gib(device_memory_bytes)}"
-    blockers = []
-    if replicas > 1:
-        blockers.append("--replicas (HSDP) shards inside each replica")
-    if sync not in ("auto", "last"):
-        blockers.append(f"--sync {sync} reduces more than once per step, to save memory only sharding has")
-    if bf16:
-        blockers.append("bf16 mixed precision is applied by FSDP2's policy")
-    if micro_batch_auto:
-        blockers.append("--micro-batch auto picks from the memory estimate of the sharded layout")
+    blocked = blockers(sync, replicas, bf16)
+    if requested == REPLICATE and blocked:
+        raise UserError(f"--layout replicate cannot be used: {blocked[0]}; use --layout shard")
+
+
+def decide(
+    requested: str, target: fit.Target, micro_batch: int | str, sync: str, budget: fit.Budget, show_all: bool = False
+) -> Choice:
+    """Resolve --layout with the micro batch and sync policy. `auto` replicates where the replicated
+    layout's estimated peak fits the budget at the micro batch the run would use (the sharded
+    layout's choice for `--micro-batch auto`: replicating never buys a bigger one), else shards.
+    One rank has nothing to shard across, so `auto` replicates there without an estimate.
+    `show_all` (--plan) estimates both layouts whatever is chosen."""
+    check(requested, sync, target.replicas, target.bf16)
+    blocked = blockers(sync, target.replicas, target.bf16)
+    if requested == SHARD or blocked:
+        return sharded(Decision(SHARD, "as requested" if requested == SHARD else blocked[0]), target, micro_batch,
+                       sync, budget, show_all)  # fmt: skip
+    if requested == AUTO and target.world_size == 1 and not show_all and micro_batch != fit.AUTO:
+        return Choice(
+            Decision(REPLICATE, "one rank: nothing to shard across"), micro_batch, "as requested", ONE_REDUCTION
+        )
+    shard_fit = None
+    if (requested == AUTO and target.world_size > 1 and micro_batch == fit.AUTO) or show_all:
+        shard_fit = sharded(Decision(SHARD, ""), target, micro_batch, sync, budget, show_all).sharded
+    at = shard_fit.micro_batch if shard_fit is not None and requested == AUTO else micro_batch
+    try:
+        m, micro_reason, found = fit.fit_replicated(target, at, budget)
+    except estimate.EstimateFailed as exc:
+        if requested == REPLICATE:
+            m = 1 if micro_batch == fit.AUTO else micro_batch
+            return Choice(Decision(REPLICATE, f"as requested, not estimated: {exc}"), m, "as requested", ONE_REDUCTION)
+        why = f"the replicated layout could not be estimated: {exc}"
+        return sharded(Decision(SHARD, why), target, micro_batch, sync, budget, show_all, shard_fit)
+    except UserError:  # even one sequence per microbatch does not fit it replicated
+        if requested == REPLICATE:
+            raise
+        why = "the replicated layout does not fit one sequence per microbatch"
+        return sharded(Decision(SHARD, why), target, micro_batch, sync, budget, show_all, shard_fit)
+    if micro_batch == fit.AUTO and at != fit.AUTO:  # m came from the sharded layout's search
+        micro_reason = shard_fit.micro_reason
+    numbers = (
+        f"estimated peak {fit.gib(found.peak)} per rank replicated at micro batch {m} vs budget {fit.gib(budget.bytes)}"
+    )
+    fits = found.peak <= budget.bytes
     if requested == REPLICATE:
-        if blockers:
-            raise UserError(f"--layout replicate cannot be used: {blockers[0]}; use --layout shard")
-        if state > budget:
-            raise UserError(f"--layout replicate does not fit: {numbers}; use --layout shard (or auto), or more memory")
-        return Decision(REPLICATE, f"as requested; {numbers}")
-    if requested == SHARD:
-        return Decision(SHARD, "as requested")
-    if blockers:
-        return Decision(SHARD, blockers[0])
-    if state > budget:
-        return Decision(SHARD, f"{numbers}: too big to replicate")
-    return Decision(REPLICATE, f"{numbers}: fits, so no sharding and one all-reduce per step")
+        if not fits:
+            raise UserError(
+                f"--layout replicate does not fit: {numbers}; use --layout shard (or auto), a smaller "
+                "--micro-batch, or more memory"
+            )
+        return Choice(Decision(REPLICATE, f"as requested; {numbers}"), m, micro_reason, ONE_REDUCTION, shard_fit, found)
+    if fits:
+        why = f"{numbers}: fits, so no sharding and one all-reduce per step"
+        return Choice(Decision(REPLICATE, why), m, micro_reason, ONE_REDUCTION, shard_fit, found)
+    choice = sharded(Decision(SHARD, f"{numbers}: too big to replicate"), target, micro_batch, sync, budget,
+                     show_all, shard_fit)  # fmt: skip
+    return Choice(choice.layout, choice.micro_batch, choice.micro_reason, choice.policy, choice.sharded, found)
 
 
-def _gib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.3f} GiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.1f} GiB"
+def sharded(
+    decision: Decision,
+    target: fit.Target,
+    micro_batch: int | str,
+    sync: str,
+    budget: fit.Budget,
+    show_all: bool,
+    done: fit.Fit | None = None,
+) -> Choice:
+    """The sharded layout's micro batch and sync policy, from its estimates where anything is left to
+    choose (`done`: already made). A fixed micro batch still trains when the estimate fails: with
+    the policy that holds the least."""
+    if done is not None:
+        return Choice(decision, done.micro_batch, done.micro_reason, done.decision, done)
+    if micro_batch != fit.AUTO and not show_all:
+        plan = Plan(target.global_batch, micro_batch, target.world_size)
+        if sync != policy.AUTO or target.world_size == 1 or plan.accum_steps == 1:
+            return Choice(decision, micro_batch, "as requested", policy.choose(sync, plan, {}, 0, target.replicas))
+    try:
+        found = fit.fit(target, micro_batch, sync, budget, show_all=show_all)
+    except estimate.EstimateFailed as exc:
+        if micro_batch == fit.AUTO or show_all:
+            raise
+        lean = fit.candidates(target.replicas)[-1]
+        return Choice(
+            decision, micro_batch, "as requested", policy.Decision(lean, f"no estimate, so the leanest: {exc}")
+        )
+    return Choice(decision, found.micro_batch, found.micro_reason, found.decision, found)

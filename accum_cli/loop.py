@@ -59,15 +59,22 @@ def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
         model.set_requires_all_reduce(is_last)
 
 
+def _sum_over_ranks(flat: torch.Tensor) -> None:
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+
+
 REDUCE_BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: few collectives, bounded extra memory
 
 
-def reduce_replicated_gradients(model: nn.Module) -> None:
+def reduce_replicated_gradients(model: nn.Module, all_reduce=None) -> None:
     """Replicated layout: sum each rank's accumulated gradients over ranks, once per step, in
     buckets of flattened gradients. A parameter that saw no gradient on this rank (an expert no
-    token was routed to) contributes zeros, so every rank reduces the same buckets."""
-    if dist.get_world_size() == 1:
-        return
+    token was routed to) contributes zeros, so every rank reduces the same buckets. `all_reduce`
+    replaces the collective (the memory estimate runs this on fake tensors, with none)."""
+    if all_reduce is None:
+        if dist.get_world_size() == 1:
+            return
+        all_reduce = _sum_over_ranks
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
@@ -80,7 +87,7 @@ def reduce_replicated_gradients(model: nn.Module) -> None:
         last = i == len(params) - 1
         if filled >= REDUCE_BUCKET_BYTES or last or params[i + 1].grad.dtype != p.grad.dtype:
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            all_reduce(flat)
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

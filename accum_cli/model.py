@@ -282,6 +282,36 @@ def compile_layers(model: nn.Module) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+class SwitchableForward:
+    """A decoder layer's forward, eager until `compiled` is set: the same slot `compile_layers` fills,
+    so FSDP's and checkpointing's hooks stay outside it whichever runs. `torch.compile` is lazy:
+    nothing compiles until the first compiled call."""
+
+    def __init__(self, eager) -> None:
+        self.eager = eager
+        self.compiled = None
+
+    def __call__(self, *args, **kwargs):
+        return (self.compiled or self.eager)(*args, **kwargs)
+
+
+def prepare_compile(model: nn.Module) -> None:
+    """--compile unset: every decoder layer's forward made switchable, eager for now."""
+    for layer in decoder_layers(model):
+        layer.forward = SwitchableForward(layer.forward)
+
+
+def compile_now(model: nn.Module) -> int:
+    """Switch the layers `prepare_compile` made switchable to their compiled forward; how many."""
+    switched = 0
+    for module in model.modules():  # by what was prepared: fully_shard renames the layers' classes
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, SwitchableForward) and forward.compiled is None:
+            forward.compiled = torch.compile(forward.eager)
+            switched += 1
+    return switched
+
+
 def _copy_view_outputs(module: nn.Module, args, output):
     """Forward hook: a layer output that is a view (OPT returns `(residual + h).view(shape)`)
     becomes a tensor of its own. FSDP2 registers its pre-backward hook (which all-gathers the
@@ -301,6 +331,8 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
     if settings.compile:  # before fully_shard: its hooks then wrap the compiled forward, eager
         compile_layers(model)
+    elif settings.compile_auto:
+        prepare_compile(model)
     if settings.activation_checkpointing:
         # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -349,6 +381,8 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
     model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
     if settings.compile:
         compile_layers(model)
+    elif settings.compile_auto:
+        prepare_compile(model)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

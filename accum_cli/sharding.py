@@ -16,6 +16,34 @@ from dataclasses import dataclass, field
 from accum_cli.config import TrainConfig
 from accum_cli.errors import UserError
 
+# `--compile` unset: the eager step measured last, at this step, decides (compile_pays); the
+# first step includes one-time costs, so it is not the one measured.
+COMPILE_DECIDED_AFTER = 2
+# Compiling pays where it saves more time than it costs. Measured on the 2-core CPU: +12-14%
+# tokens/s once compiled (bench-peers), 20-70 s for a cold compile per process (inductor builds
+# C++), ~2 s with a warm cache. So `--compile` unset compiles when at least this much eager
+# training remains: 10% of it is 2 min, twice the slowest cold compile seen. The environment
+# variable ACCUM_TRAIN_COMPILE_AFTER_S sets another threshold (0: always).
+COMPILE_PAYS_AFTER_S = 1200.0
+
+
+def compile_pays(remaining_steps: int, step_seconds: float, threshold_s: float) -> bool:
+    """Whether the rest of the run, at the eager step time measured, is long enough to compile."""
+    return remaining_steps * step_seconds >= threshold_s
+
+
+def compile_threshold(env) -> float:
+    text = env.get("ACCUM_TRAIN_COMPILE_AFTER_S")
+    if text is None:
+        return COMPILE_PAYS_AFTER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UserError(f"ACCUM_TRAIN_COMPILE_AFTER_S must be a number of seconds >= 0, got {text!r}")
+    return value
+
 
 @dataclass(frozen=True, slots=True)
 class ShardSettings:
@@ -25,6 +53,8 @@ class ShardSettings:
     activation_checkpointing: bool = False
     rank0_loading: bool = False
     compile: bool = False  # each decoder layer's forward compiled (model.compile_layers)
+    compile_auto: bool = False  # compiled once the first steps measure that it pays (compile_pays)
+    compile_after_s: float = COMPILE_PAYS_AFTER_S  # ... when at least this much training remains
     source: str = "defaults"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -40,6 +70,8 @@ class ShardSettings:
             parts.append("weights loaded on rank 0 and broadcast")
         if self.compile:
             parts.append("decoder layers compiled")
+        elif self.compile_auto:
+            parts.append(f"decoder layers compiled if it pays (decided after step {COMPILE_DECIDED_AFTER})")
         return ", ".join(parts) + f" (from {self.source})"
 
 
@@ -62,13 +94,16 @@ def resolve(cfg: TrainConfig, device_type: str) -> ShardSettings:
     if offload and device_type != "cuda":
         notes.append("offload_params has no effect on CPU: the parameters already live there")
         offload = False
+    compiles = cfg.compile if cfg.compile is not None else _accelerate_compiles(env, notes)
     return ShardSettings(
         bf16=bf16,
         reshard_after_forward=pick("reshard_after_forward", True),
         offload_params=offload,
         activation_checkpointing=pick("activation_checkpointing", False),
         rank0_loading=pick("rank0_loading", False),
-        compile=cfg.compile if cfg.compile is not None else _accelerate_compiles(env, notes),
+        compile=compiles,
+        compile_auto=cfg.compile is None and not compiles,
+        compile_after_s=compile_threshold(env),
         source="flags and the accelerate config" if launched_by_accelerate else "flags and defaults",
         notes=tuple(notes),
     )

@@ -42,7 +42,7 @@ from accum_cli.loop import train_step
 from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, last_logged_step, print_lines
 from accum_cli.plan import Plan
 from accum_cli.runtime import env_rank
-from accum_cli.sharding import ShardSettings
+from accum_cli.sharding import COMPILE_DECIDED_AFTER, ShardSettings
 from accum_cli.signals import StopRequest
 
 EMBEDDED_SEQ_LEN = 128
@@ -98,24 +98,23 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
         activation_checkpointing=bool(cfg.activation_checkpointing),
     )
     budget = budget_for(cfg)
-    n_params = sum(
-        math.prod(shape) for shape in modeling.parameter_shapes(model_config, cfg.trust_remote_code).values()
-    )
-    chosen_layout = layout.choose(
-        cfg.layout, cfg.sync, cfg.replicas, settings.bf16, n_params, budget.device_bytes, cfg.micro_batch == fit.AUTO
-    )
     target = fit_target(cfg, model_config, seq_len, world_size, settings)
-    result = fit.fit(target, cfg.micro_batch, cfg.sync, budget, show_all=True)
-    plan = Plan(cfg.global_batch, result.micro_batch, world_size)
+    choice = layout.decide(cfg.layout, target, cfg.micro_batch, cfg.sync, budget, show_all=True)
+    plan = Plan(cfg.global_batch, choice.micro_batch, world_size)
     if cfg.strict_batch:
         plan.require_divisible()
     print_lines(plan.describe(seq_len), "plan")
+    replicated = fit.describe_replicated(choice.replicated, budget, choice.micro_batch) if choice.replicated else []
+    if choice.sharded is not None:
+        table = fit.describe(target, choice.sharded, budget, replicated)
+    else:
+        table = [f"budget            {budget.describe()}", *replicated]
     print_lines(
         [
-            *fit.describe(target, result, budget),
-            f"micro batch       {result.micro_batch} ({result.micro_reason})",
-            f"chosen: {result.decision.policy} — {result.decision.reason}",
-            f"layout: {chosen_layout.layout} — {chosen_layout.reason}",
+            *table,
+            f"micro batch       {choice.micro_batch} ({choice.micro_reason})",
+            f"chosen: {choice.policy.policy} — {choice.policy.reason}",
+            f"layout: {choice.layout.layout} — {choice.layout.reason}",
         ],
         f"memory per rank and sync policy ({cfg.sync})",
     )
@@ -133,32 +132,25 @@ def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budge
 
 
 def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings):
-    """Collective: the micro batch and sync policy, decided by rank 0 from the estimate and sent to
-    every rank, so all ranks run the same plan (the estimate is skipped when nothing is left to choose)."""
-    if cfg.micro_batch != fit.AUTO:
-        plan = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size)
-        if cfg.sync != policy.AUTO or rt.world_size == 1 or plan.accum_steps == 1:
-            return plan, "as requested", policy.choose(cfg.sync, plan, {}, 0, cfg.replicas)
+    """Collective: the layout, micro batch and sync policy, decided by rank 0 from the estimates
+    (layout.decide) and sent to every rank, so all ranks run the same plan whatever each one's
+    free memory is."""
     answer = ""
     if rt.is_main:
-        budget = budget_for(cfg, rt)
+        target = fit_target(cfg, model_config, seq_len, rt.world_size, settings)
         try:
-            result = fit.fit(fit_target(cfg, model_config, seq_len, rt.world_size, settings), cfg.micro_batch,
-                             cfg.sync, budget)  # fmt: skip
-            answer = json.dumps([result.micro_batch, result.micro_reason, result.decision.policy,
-                                 result.decision.reason])  # fmt: skip
+            choice = layout.decide(cfg.layout, target, cfg.micro_batch, cfg.sync, budget_for(cfg, rt))
+            answer = json.dumps([choice.layout.layout, choice.layout.reason, choice.micro_batch, choice.micro_reason,
+                                 choice.policy.policy, choice.policy.reason])  # fmt: skip
         except UserError as exc:
-            if cfg.micro_batch == fit.AUTO:
-                answer = json.dumps({"error": str(exc)})
-            else:  # a fixed micro batch can still train: with the policy that holds the least
-                lean = fit.candidates(cfg.replicas)[-1]
-                answer = json.dumps([cfg.micro_batch, "as requested", lean, f"no estimate, so the leanest: {exc}"])
+            answer = json.dumps({"error": str(exc)})
     answer = json.loads(runtime.broadcast_text(answer, rt.device))
     if isinstance(answer, dict):
         raise UserError(answer["error"])  # printed by rank 0 alone
-    micro_batch, micro_reason, chosen, reason = answer
+    chosen, why, micro_batch, micro_reason, sync, reason = answer
     # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
-    return Plan(cfg.global_batch, micro_batch, rt.world_size), micro_reason, policy.Decision(chosen, reason)
+    plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
+    return layout.Decision(chosen, why), plan, micro_reason, policy.Decision(sync, reason)
 
 
 @dataclass
@@ -276,21 +268,12 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             )
         seq_len = longest
     size = model_size(shapes, settings.bf16)
-    memory = budget_for(cfg, rt)
-    chosen_layout = layout.choose(
-        cfg.layout,
-        cfg.sync,
-        cfg.replicas,
-        settings.bf16,
-        size.n_params,
-        memory.device_bytes,
-        cfg.micro_batch == fit.AUTO,
-    )
-    if chosen_layout.layout == layout.REPLICATE:
-        plan, micro_reason = Plan(cfg.global_batch, cfg.micro_batch, rt.world_size), "as requested"
-        decision = policy.Decision(policy.LAST, "replicated: one all-reduce per step")
+    if prepare_only:  # nothing trains: no estimate
+        plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else cfg.micro_batch, rt.world_size)
+        chosen_layout, micro_reason = layout.Decision(cfg.layout, "--prepare-only"), "--prepare-only"
+        decision = policy.Decision(cfg.sync, "--prepare-only")
     else:
-        plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
+        chosen_layout, plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
     if meta is not None and meta.step >= total_steps:
         done = meta.step == total_steps and finished(out, meta)
@@ -615,6 +598,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             done = step + 1
             seconds = time.perf_counter() - started
             trackers.log(reporter.step(step, result, seconds, evaluate(done)))
+            if s.settings.compile_auto and done - start_step == COMPILE_DECIDED_AFTER and done < end:
+                decide_compile(model, s.settings, end - done, seconds, rt)
             if done < end and stop.agreed(rt.device):  # the last step just finishes
                 # Who asked is read now: once a rank has exited, the launcher signals the others too.
                 asked_by = stop.signal_name or "a signal on another rank"
@@ -644,6 +629,28 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                 "done",
             )
     return summary
+
+
+def decide_compile(model, settings: ShardSettings, remaining_steps: int, step_seconds: float, rt) -> None:
+    """Collective: `--compile` unset compiles the decoder layers from the next step when the rest of
+    the run, at the slowest rank's last eager step, is long enough to pay for it (sharding.compile_pays)."""
+    slowest = torch.tensor([step_seconds], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # one time for all ranks: one decision
+    step_seconds = float(slowest.item())
+    remaining = remaining_steps * step_seconds
+    pays = sharding.compile_pays(remaining_steps, step_seconds, settings.compile_after_s)
+    if pays:
+        modeling.compile_now(model)
+    if rt.is_main:
+        steps = f"{remaining_steps} step{'s' if remaining_steps != 1 else ''}"
+        about = f"{steps} of {step_seconds:.2f} s remain (~{remaining / 60:.1f} min eager)"
+        threshold = f"{settings.compile_after_s / 60:g} min"
+        print(
+            f"compile: {about}, at least {threshold}: compiling the decoder layers, in the next step"
+            if pays
+            else f"compile: {about}, under the {threshold} that pay for compiling: staying eager (--compile forces it)",
+            flush=True,
+        )
 
 
 def run_name(cfg: TrainConfig) -> str:

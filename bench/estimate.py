@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SEQ_LEN = 128
-SYNCS = ("every", "last", "last-keep-params")
+SYNCS = ("every", "last", "last-keep-params", "replicated")  # replicated: the layout
 CASES = [(sync, m) for sync in SYNCS for m in (1, 4)]
 
 
@@ -81,7 +81,11 @@ def compare(name: str, model_dir: Path) -> None:
     from accum_cli import estimate
 
     config = json.loads((model_dir / "config.json").read_text())
-    queries = [estimate.Query(config, 2, 1, m, SEQ_LEN, sync, False, False) for sync, m in CASES]
+    queries = [
+        estimate.Query(config, 2, 1, m, SEQ_LEN, "last" if sync == "replicated" else sync, False, False,
+                       replicated=sync == "replicated")
+        for sync, m in CASES
+    ]  # fmt: skip
     started = time.perf_counter()
     found = estimate.estimate(queries)
     seconds = time.perf_counter() - started

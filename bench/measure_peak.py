@@ -2,10 +2,11 @@
 
 Run under torchrun on real ranks (gloo on CPU); rank 0 prints one JSON line per case:
 
-    torchrun --nproc-per-node 2 bench/measure_peak.py --model PATH [PATH ...] --seq-len 128 --sync every last --micro-batch 1 4
+    torchrun --nproc-per-node 2 bench/measure_peak.py --model PATH [PATH ...] --seq-len 128 --sync every last replicated --micro-batch 1 4
 
 The model is built once from its config with real weights (seeded) and sharded with the run's
-own `model.shard` on the real process group; each case runs the same `estimate.tracked_step` as
+own `model.shard` on the real process group (`replicated`: built whole, as the replicated layout
+runs it, its gradients summed by the run's own bucketed all-reduce); each case runs the same `estimate.tracked_step` as
 the estimate (an untracked step creates AdamW's state once, then a tracked step of the run's
 `microbatch_backward`, clipping and AdamW) with real tensors: FSDPMemTracker in real mode counts
 the bytes of every live tensor. The figure is the largest over the ranks. On CUDA,
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", required=True, help="folders with the model's config.json, in turn")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--sync", nargs="+", default=["every", "last"])
+    parser.add_argument("--sync", nargs="+", default=["every", "last"], help="sync policies, or `replicated`")
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--accum-steps", type=int, default=2)
     parser.add_argument("--bf16", action="store_true")
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build(args: argparse.Namespace, model_dir: str, rt):
+def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False):
     """The model with real weights (seeded), sharded by the run's own `model.shard`, and AdamW:
     built once for all cases, as the estimate builds its fake model once for all queries."""
     from accum_cli import model as modeling
@@ -55,7 +56,10 @@ def build(args: argparse.Namespace, model_dir: str, rt):
         model.train()
     else:
         model = modeling.load_model(source, config, False, seed=0)
-    modeling.shard(model, rt.mesh(1), settings)
+    if not replicated:
+        modeling.shard(model, rt.mesh(1), settings)
+    elif args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=2)
     return model, optimizer, config
 
@@ -71,7 +75,10 @@ def measure(args: argparse.Namespace, built, sync: str, micro_batch: int, rt) ->
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    peak, breakdown = tracked_step(model, optimizer, microbatches, sync, loss_tokens, rt.device)
+    replicated = sync == "replicated"
+    peak, breakdown = tracked_step(
+        model, optimizer, microbatches, "last" if replicated else sync, loss_tokens, rt.device, replicated
+    )
     cuda_peak = torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else 0
     peaks = torch.tensor([peak, cuda_peak], dtype=torch.int64, device=rt.device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
@@ -95,14 +102,16 @@ def main() -> None:
     args = parse_args()
     rt = runtime.start()
     for model_dir in args.model:  # one launch for several models: the launch costs more than a small model
-        built = build(args, model_dir, rt)
-        for sync in args.sync:
-            for micro_batch in args.micro_batch:
-                row = measure(args, built, sync, micro_batch, rt)
-                if rt.is_main:
-                    print(json.dumps({"model": model_dir, **row}), flush=True)
-        del built
-        gc.collect()
+        for replicated in (False, True):
+            syncs = [s for s in args.sync if (s == "replicated") == replicated]
+            built = build(args, model_dir, rt, replicated) if syncs else None
+            for sync in syncs:
+                for micro_batch in args.micro_batch:
+                    row = measure(args, built, sync, micro_batch, rt)
+                    if rt.is_main:
+                        print(json.dumps({"model": model_dir, **row}), flush=True)
+            del built
+            gc.collect()
     dist.destroy_process_group()
 
 

@@ -155,7 +155,7 @@ CASES = [
     (["--layout", "replicate", "--sync", "every"],
      "--layout replicate cannot be used: --sync every reduces more than once per step"),
     (["--layout", "replicate", "--device-memory-gib", "0.001"],
-     "--layout replicate does not fit: replicated state 0.050 GiB vs 50% of 0.001 GiB"),
+     "--layout replicate does not fit: estimated peak"),
     (["--model", "{tiny}", "--dataset", "{null-text.jsonl}"], "row 1 of the dataset (counting from 0): column 'text' is null"),
     (["--model", "{tiny}", "--dataset", "{number-text.jsonl}"], "column 'text' holds int64, not text"),
     (["--model", "{tiny}", "--dataset", "{id-outside-vocab.jsonl}"],

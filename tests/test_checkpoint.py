@@ -111,13 +111,16 @@ def test_resume_continues_the_same_training(root, uninterrupted, tmp_path, sourc
 
 
 def test_resume_across_layouts_continues_the_same_training(root, uninterrupted, tmp_path):
-    """The reference runs replicate (the tiny state fits); resuming sharded must not notice."""
+    """The reference runs replicate (the tiny state fits); resuming sharded must not notice. The
+    resumed run is told its devices hold 1 MiB: `--layout auto` shards because the replicated
+    layout's estimated peak does not fit, as rank 0 found and sent to the other rank."""
     source = uninterrupted[2]
     assert json.loads((source / "config.json").read_text())["plan"]["layout"] == "replicate"
     out = tmp_path / "sharded"
-    resume = ("--resume", str(source / "checkpoints/step-000002"), "--layout", "shard", "--sync", "last")
+    resume = ("--resume", str(source / "checkpoints/step-000002"), "--sync", "last", "--device-memory-gib", "0.001")
     result = ok(run_cli(args(root, out, 2, 6, *resume), nproc=2))
-    assert "layout            shard (as requested)" in result.stdout
+    assert "layout            shard (estimated peak " in result.stdout and "too big to replicate" in result.stdout
+    assert json.loads((out / "config.json").read_text())["plan"]["layout"] == "shard"
     assert_losses_match(read_metrics(out), read_metrics(source), 1e-5)
 
 

@@ -153,6 +153,25 @@ def test_accumulated_sharded_training_equals_one_big_batch(
     assert (plan["world_size"], plan["micro_batch"], plan["sync"]) == (world, micro, sync)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("threshold, compiles", [("0", True), ("1e9", False)], ids=["pays", "does not pay"])
+def test_compile_decided_by_the_measured_steps_keeps_the_training_exact(
+    workdir, references, tmp_path, threshold, compiles
+):
+    """`--compile` unset: steps 1-2 run eager, then the measured step time decides. With the
+    threshold at 0 s the layers compile for step 3 (dynamo's log shows the tracing), and the run
+    is the same training; with an unreachable one nothing is ever traced."""
+    out = tmp_path / "run"
+    args = ["--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"), "--micro-batch", "3",
+            "--sync", "last", "--output-dir", str(out), *COMMON, "--layout", "shard", "--activation-checkpointing"]  # fmt: skip
+    result = run_cli(args, env_extra={"ACCUM_TRAIN_COMPILE_AFTER_S": threshold, "TORCH_LOGS": "dynamo"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = "compiling the decoder layers, in the next step" if compiles else "staying eager"
+    assert "compile: 1 step of " in result.stdout and said in result.stdout, result.stdout
+    assert ("torchdynamo start tracing" in result.stderr) == compiles
+    assert_same_training(out, references["model"])
+
+
 def test_a_per_microbatch_mean_would_fail_this_comparison(workdir, references):
     """The data has teeth: averaging each microbatch and dividing by A gives other gradients."""
     from transformers import AutoModelForCausalLM

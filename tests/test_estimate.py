@@ -16,7 +16,7 @@ from accum_cli.cli import app
 from accum_cli.model import EMBEDDED_MODEL_DIR
 
 SEQ_LEN = 128
-SYNCS = ("every", "last", "last-keep-params")
+SYNCS = ("every", "last", "last-keep-params", "replicated")  # replicated: the layout, not a policy
 CASES = [(sync, m) for sync in SYNCS for m in (1, 4)]
 TOLERANCE = 0.15
 # Peaks measured this far apart must be ordered the same by the estimate. Closer ones are not
@@ -29,7 +29,11 @@ DISTINCT = 0.08
 
 def query(model_dir: Path, sync: str, micro_batch: int, world_size: int = 2) -> estimate.Query:
     config = json.loads((model_dir / "config.json").read_text())
-    return estimate.Query(config, world_size, 1, micro_batch, SEQ_LEN, sync, bf16=False, activation_checkpointing=False)
+    replicated = sync == "replicated"
+    return estimate.Query(
+        config, world_size, 1, micro_batch, SEQ_LEN, "last" if replicated else sync, bf16=False,
+        activation_checkpointing=False, replicated=replicated,
+    )  # fmt: skip
 
 
 def invoke(args: list[str]):
@@ -227,6 +231,28 @@ def test_a_budget_too_small_for_one_sequence_is_refused_in_one_line(cache):
     assert abs(smallest * 2**20 - one / fit.BUDGET_SHARE) < 0.2 * 2**20
     for hint in ("more ranks", "--activation-checkpointing", "--sync every"):
         assert hint in line
+
+
+def test_auto_layout_replicates_only_where_its_estimate_fits(cache):
+    every, replicated = peaks("every", [4])[0], peaks("replicated", [4])[0]
+    assert every < replicated  # the tiny model's whole AdamW state weighs more than a shard of it
+    tight = invoke(plan_args("4", (every + replicated) / 2))
+    assert tight.exit_code == 0, tight.output
+    assert "layout: shard — estimated peak " in tight.output and "too big to replicate" in tight.output
+    roomy = invoke(plan_args("4", replicated * 1.01))
+    assert "layout: replicate — estimated peak " in roomy.output and "fits, so no sharding" in roomy.output
+    assert "chosen: last — replicated" in roomy.output
+    refused = invoke(plan_args("4", (every + replicated) / 2, "--layout", "replicate"))
+    assert refused.exit_code == 2 and "--layout replicate does not fit: estimated peak" in refused.output
+
+
+def test_replicated_micro_batch_auto_is_the_largest_that_fits_it(cache):
+    by_m = peaks("replicated", range(1, 7))
+    budget = (by_m[2] + by_m[3]) / 2  # m = 3 fits, m = 4 does not
+    result = invoke(plan_args("auto", budget, "--layout", "replicate"))
+    assert result.exit_code == 0, result.output
+    assert "micro batch       3 (largest that fits (<= ceil(G/W) = 32): estimated " in result.output
+    assert "under the replicated layout" in result.output and "layout: replicate — as requested" in result.output
 
 
 def test_gpu_check_imports_and_parses_its_arguments():

@@ -30,7 +30,8 @@ def accelerate_env(monkeypatch):
 
 
 def test_defaults_without_a_launcher(accelerate_env):
-    assert sharding.resolve(TrainConfig(), "cpu") == sharding.ShardSettings(source="flags and defaults")
+    defaults = sharding.ShardSettings(source="flags and defaults", compile_auto=True)
+    assert sharding.resolve(TrainConfig(), "cpu") == defaults
     assert sharding.resolve(TrainConfig(), "cuda").bf16
 
 
@@ -97,16 +98,30 @@ def test_the_wrapper_speaks_accelerate_launch():
 
 @pytest.mark.parametrize(
     "flag, backend, compiled, note",
-    [(None, None, False, None), (True, None, True, None), (None, "INDUCTOR", True, None), (False, "INDUCTOR", False, None),
-     (None, "EAGER", True, "dynamo backend eager asked: accum-train compiles with inductor")],
+    [(None, None, "auto", None), (True, None, True, None), (None, "INDUCTOR", True, None), (False, "INDUCTOR", False, None),
+     (None, "EAGER", True, "dynamo backend eager asked: accum-train compiles with inductor"), (None, "NO", "auto", None),
+     (False, None, False, None)],
 )  # fmt: skip
 def test_compile_from_the_flag_else_the_accelerate_dynamo_config(accelerate_env, flag, backend, compiled, note):
     if backend:
         accelerate_env({"ACCELERATE_DYNAMO_BACKEND": backend})
     settings = sharding.resolve(TrainConfig(compile=flag), "cpu")
-    assert settings.compile is compiled
+    assert (settings.compile, settings.compile_auto) == (compiled is True, compiled == "auto")
     assert (note in settings.notes) if note else not settings.notes
-    assert ("decoder layers compiled" in settings.describe()) is compiled
+    said = {True: "decoder layers compiled (", "auto": "decoder layers compiled if it pays", False: None}[compiled]
+    assert (said in settings.describe()) if said else "compiled" not in settings.describe()
+
+
+@pytest.mark.parametrize("text, seconds", [(None, 1200.0), ("0", 0.0), ("90.5", 90.5), ("abc", None), ("-1", None),
+                                           ("inf", None), ("nan", None)])  # fmt: skip
+def test_the_compile_threshold_is_seconds_of_training_left(text, seconds):
+    env = {} if text is None else {"ACCUM_TRAIN_COMPILE_AFTER_S": text}
+    if seconds is None:
+        with pytest.raises(UserError, match="ACCUM_TRAIN_COMPILE_AFTER_S must be a number of seconds >= 0"):
+            sharding.compile_threshold(env)
+    else:
+        assert sharding.compile_threshold(env) == seconds
+    assert sharding.compile_pays(100, 12.0, 1200.0) and not sharding.compile_pays(100, 11.99, 1200.0)
 
 
 def test_compile_layers_compiles_every_decoder_layer_and_keeps_the_state_dict_names(tmp_path):
