@@ -344,6 +344,11 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     for layer in decoder_layers(model):
         layer.register_forward_hook(_copy_view_outputs)  # before fully_shard: runs before FSDP's own hook
         fully_shard(layer, **kwargs)
+    embedding, head = edge_units(model)
+    if embedding is not None:
+        fully_shard(embedding, **kwargs)
+    if head is not None:  # its backward follows its forward at once: resharding between them only re-gathers
+        fully_shard(head, **(kwargs | {"reshard_after_forward": False}))
     fully_shard(model, **kwargs)
     # The root's outputs (logits, router loss) are read only by our loss code, which never changes
     # them in place, so a view among them (Doge's) cannot drop FSDP2's pre-backward hook.
@@ -361,18 +366,50 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     return model
 
 
+def edge_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The input embedding and the output projection, each where it can be an FSDP unit of its own:
+    parameters of its own (a tied weight is one parameter, which only one unit can hold), held by
+    no other module. Left in the root, they stay gathered for the whole forward and backward, with
+    their whole gradients, which for a large vocabulary is most of the model (32K x 512 untied:
+    73% of a 45M model); as units of their own they are gathered only around their own use."""
+    try:
+        pair = (model.get_input_embeddings(), model.get_output_embeddings())
+    except (AttributeError, NotImplementedError):
+        return None, None
+    held_by: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            held_by.setdefault(id(param), []).append(module)
+
+    def own(module) -> nn.Module | None:
+        if not isinstance(module, nn.Module) or list(module.children()):
+            return None
+        params = list(module.parameters(recurse=False))
+        alone = all(held_by[id(p)] == [module] for p in params)
+        return module if params and alone else None
+
+    return own(pair[0]), own(pair[1])
+
+
 def describe_sharding(model: nn.Module) -> str:
     """The header's line on what was wrapped: layer class, FSDP units, the root's parameters."""
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
-    classes = sorted({next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__ for _, m in units})
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+
+    def base(module: nn.Module) -> str:  # fully_shard renames a module's class FSDP<class>
+        return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+    classes = sorted({base(m) for _, m in units if base(m) in layer_classes})
+    n_layers = sum(base(m) in layer_classes for _, m in units)
+    edges = "".join(f", {name}" for name, m in units if base(m) not in layer_classes)
     prefixes = tuple(f"{name}." for name, _ in units)
     names_by_param: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if not name.startswith(prefixes):
             names_by_param.setdefault(id(param), []).append(name)
     root = [" = ".join(names) + (" (tied)" if len(names) > 1 else "") for names in names_by_param.values()]
-    layers = f"{len(units)} x {', '.join(classes)}" if units else "no decoder-layer class found (root only)"
-    return f"{len(units) + 1} FSDP units: {layers} + root holding {', '.join(root)}"
+    layers = f"{n_layers} x {', '.join(classes)}" if classes else "no decoder-layer class found"
+    return f"{len(units) + 1} FSDP units: {layers}{edges} + root holding {', '.join(root) or 'no parameters'}"
 
 
 def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, rt) -> nn.Module:

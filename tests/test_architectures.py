@@ -216,6 +216,8 @@ def test_header_names_attention_and_sharding(workdir, models, tmp_path):
         output
     )
     assert "host memory       freed tensors go back to the system" in output  # sharded on CPU: hostmem.py
+    _, output = train_in_process(cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "u", 12, "every"))
+    assert "5 FSDP units: 2 x LlamaDecoderLayer, model.embed_tokens, lm_head + root holding model.norm.weight" in output
     _, output = train_in_process(cli_args(models("bloom"), workdir / "data.jsonl", tmp_path / "b", 12, "every"))
     assert "eager (BloomForCausalLM has no sdpa; its default)" in output
     assert "2 x BloomBlock" in output

@@ -115,11 +115,10 @@ def test_estimate_matches_real_ranks(held, name):
 @pytest.mark.distributed
 def test_keeping_parameters_gathered_holds_them_between_microbatches(held):
     """`last-keep-params` keeps every layer's parameters unsharded from one microbatch's backward
-    to the next forward. At m = 1 that moment holds the step's peak (the activations are small):
-    the whole model's unsharded parameters (fp32, one copy) are in it, in the estimate as on the
-    real ranks, and the estimated peak exceeds `last`'s (by 1.6%, within the measurement's jitter,
-    so the measured peaks are held only to the 15% above). At m = 4 the activations' peak
-    dominates both."""
+    to the next forward. At m = 1 that holds the step's peak (the activations are small): the
+    whole model's unsharded parameters (fp32, one copy) are in it, in the estimate as on the
+    real ranks, and the estimated peak exceeds `last`'s (by 7%; the measured peaks are held only
+    to the 15% above). At m = 4 the activations' peak dominates both."""
     import math
 
     from accum_cli import model as modeling
@@ -128,9 +127,13 @@ def test_keeping_parameters_gathered_holds_them_between_microbatches(held):
     keep, last = ("last-keep-params", 1), ("last", 1)
     assert got[keep].peak > got[last].peak
     config = modeling.load_config(modeling.resolve_source(str(folder)), False)
-    whole = 4 * sum(math.prod(shape) for shape in modeling.parameter_shapes(config, False).values())
+    shapes = modeling.parameter_shapes(config, False).values()
+    whole = 4 * sum(math.prod(shape) for shape in shapes)
+    # ... and, where the peak falls while the embedding (a unit of its own) is gathered again for its
+    # backward, that unit's all-gather buffer on top: at most one more of the largest parameter.
+    largest = 4 * max(math.prod(shape) for shape in shapes)
     for kept in (got[keep].breakdown["unsharded_params"], real[keep]["breakdown"]["unsharded_params"]):
-        assert abs(kept - whole) <= 0.01 * whole, (kept, whole)
+        assert 0.99 * whole <= kept <= 1.01 * (whole + largest), (kept, whole, largest)
     assert got[last].breakdown["unsharded_params"] < 0.9 * whole
     for m in (1, 4):
         assert got[("last-keep-params", m)].peak >= got[("last", m)].peak
@@ -253,6 +256,19 @@ def test_replicated_micro_batch_auto_is_the_largest_that_fits_it(cache):
     assert result.exit_code == 0, result.output
     assert "micro batch       3 (largest that fits (<= ceil(G/W) = 32): estimated " in result.output
     assert "under the replicated layout" in result.output and "layout: replicate — as requested" in result.output
+
+
+def test_an_untied_embedding_and_head_are_not_gathered_together(cache, tmp_path):
+    """Each an FSDP unit of its own (model.edge_units): at the step's peak at most one of them is
+    unsharded. In the root they were both, for the whole step (250 MiB of gathered parameters at
+    this peak, against 75 MiB as units of their own)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
+    found = estimate.estimate([estimate.Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)])
+    one_matrix = 32000 * 512 * 4
+    assert one_matrix <= found[0].breakdown["unsharded_params"] < 1.25 * one_matrix, found[0].breakdown
 
 
 def test_gpu_check_imports_and_parses_its_arguments():
