@@ -266,7 +266,9 @@ def test_an_untied_embedding_and_head_are_not_gathered_together(cache, tmp_path)
 
     config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
-    found = estimate.estimate([estimate.Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)])
+    found = estimate.estimate(
+        [estimate.Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)]
+    )
     one_matrix = 32000 * 512 * 4
     assert one_matrix <= found[0].breakdown["unsharded_params"] < 1.25 * one_matrix, found[0].breakdown
 
