@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-peers bench-memory mutants clean
+.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory mutants clean
 
 setup: $(STAMP)
 
@@ -35,10 +35,15 @@ format: setup
 	$(BIN)/ruff format accum_cli tests bench
 	$(BIN)/ruff check --fix accum_cli tests bench
 
+# accum-train (defaults and --compile) vs the HF Trainer and Accelerate's accumulate() loop, side by side (~6 min).
 bench: setup
+	$(BIN)/python bench/speed.py
+
+# accum-train's step against a minimal hand-written FSDP2 loop, in the same processes.
+bench-overhead: setup
 	$(BIN)/python bench/overhead.py
 
-# accum-train (defaults) vs the HF Trainer, Accelerate's accumulate() and hand-written FSDP2, side by side.
+# The same comparison through the shared peers harness (../shared/peers, or PEERS_DIR), hand-written FSDP2 too.
 bench-peers: setup
 	bash bench/peers.sh
 

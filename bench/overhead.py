@@ -8,7 +8,7 @@ reading the microbatches included. The hand-written loop is the least a user mus
 get the same, correct training: fully_shard per decoder layer and root, sum reductions,
 a global loss-token count, sum-CE / count per microbatch, the sync flags, clip, AdamW.
 
-    make bench                                  # or: .venv/bin/python bench/overhead.py
+    make bench-overhead                         # or: .venv/bin/python bench/overhead.py
     .venv/bin/python bench/overhead.py --quick  # smoke run, well under a minute
 
 Run directly, it relaunches itself under torchrun (2 ranks, OMP_NUM_THREADS=1 each, so
