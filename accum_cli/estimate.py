@@ -235,10 +235,7 @@ def breakdown_of(snapshot: dict) -> dict:
         "activations": (Kind.ACT, Kind.INP),
         "temporaries": (Kind.TEMP,),
     }
-    named = {str(getattr(kind, "value", kind)): int(n) for kind, n in snapshot.items()}
-    result = {ours: sum(named.get(kind.value, 0) for kind in kinds) for ours, kinds in groups.items()}
-    result["temporaries"] += named["Total"] - sum(result.values())
-    return result
+    return _grouped(snapshot, groups)
 
 
 def tracked_step(
@@ -307,6 +304,11 @@ def replicated_breakdown_of(snapshot: dict) -> dict:
         "activations": (Kind.ACT,),
         "temporaries": (Kind.TEMP,),
     }
+    return _grouped(snapshot, groups)
+
+
+def _grouped(snapshot: dict, groups: dict) -> dict:
+    """The tracker's bytes per kind summed into ours; what no group names counts as temporaries."""
     named = {str(getattr(kind, "value", kind)): int(n) for kind, n in snapshot.items()}
     result = {ours: sum(named.get(kind.value, 0) for kind in kinds) for ours, kinds in groups.items()}
     result["temporaries"] += named["Total"] - sum(result.values())

@@ -274,18 +274,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def compile_layers(model: nn.Module) -> None:
     """Regional compilation, as torchtitan does it: each decoder layer's forward compiled on its
-    own. The layers share one class, so they share one compiled graph (compile time is one
-    layer's, not the model's), and replacing `forward` rather than the module's call keeps
+    own, now (`--compile`) or once the run has measured that it pays (`prepare_compile`, then
+    `compile_now`). The layers share one class, so they share one compiled graph (compile time is
+    one layer's, not the model's), and replacing `forward` rather than the module's call keeps
     FSDP's and checkpointing's hooks eager, outside the graph. The state dict's names do not
     change, so a checkpoint moves freely between compiled and eager runs."""
-    for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward)
+    prepare_compile(model)
+    compile_now(model)
 
 
 class SwitchableForward:
-    """A decoder layer's forward, eager until `compiled` is set: the same slot `compile_layers` fills,
-    so FSDP's and checkpointing's hooks stay outside it whichever runs. `torch.compile` is lazy:
-    nothing compiles until the first compiled call."""
+    """A decoder layer's forward, eager until `compiled` is set. `torch.compile` is lazy: nothing
+    compiles until the first compiled call."""
 
     def __init__(self, eager) -> None:
         self.eager = eager
@@ -296,7 +296,8 @@ class SwitchableForward:
 
 
 def prepare_compile(model: nn.Module) -> None:
-    """--compile unset: every decoder layer's forward made switchable, eager for now."""
+    """Every decoder layer's forward made switchable, eager for now (before fully_shard, which
+    renames the layers' classes, and before its hooks wrap the forward)."""
     for layer in decoder_layers(model):
         layer.forward = SwitchableForward(layer.forward)
 

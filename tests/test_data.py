@@ -503,6 +503,7 @@ def test_a_node_without_the_shared_cache_tokenises_once(model, tmp_path):
         assert node.returncode == 0, stdout + stderr
     assert "tokenisation      done once (on 2 of 4 ranks) and cached" in outputs[0][0]
     for cache in caches:
+        assert not (cache / "estimates").exists(), "--prepare-only trains nothing: no memory estimate"
         assert len(cache_entries(cache)) == 1 and not cache_entries(cache)[0].name.startswith(".")
         assert (cache_entries(cache)[0] / "meta.json").is_file()
 
