@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from accum_cli.data import MicrobatchReader
-from accum_cli.loop import token_loss_sum
+from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
 
 

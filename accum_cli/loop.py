@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from accum_cli import moe, policy
-from accum_cli.data import IGNORE_INDEX, Microbatch
+from accum_cli.data import Microbatch
+from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
 
 
@@ -36,17 +36,6 @@ class StepResult:
     lr: float  # the learning rate this step used
     skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
     aux_loss: float | None = None  # MoE router balancing loss (unweighted), when the model asks for it
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the positions that count, in fp32."""
-    vocab = logits.size(-1)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, vocab).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
@@ -132,6 +121,7 @@ def microbatch_backward(
             else out.aux_loss.float() * share
         )
         loss = loss + router.coef * aux
+    del out  # the logits are then held by the loss's graph alone, freed as soon as its backward ran
     loss.backward()
     return mb_loss_sum.detach(), (aux.detach() if aux is not None else None)
 

@@ -6,7 +6,7 @@ microbatches per rank), AdamW lr 1e-3, weight decay 0, constant rate, clip 1.0; 
 timed optimizer steps. Contestants, each launched by torchrun on 2 ranks, OMP_NUM_THREADS=1:
 
 - `accum-train`: the real CLI with its defaults (and `--compile`: the compile itself falls in
-  the warm-up steps);
+  the warm-up steps; and `--layout shard`, the FSDP2 layout a model too big to replicate gets);
 - `accelerate`: Accelerate's documented `accumulate()` loop (`Accelerator(cpu=True)`: DDP on gloo);
 - `trainer`: `transformers.Trainer`, everything at its defaults but what makes it this workload
   (constant rate, `adamw_torch`, weight decay 0, sequential sampling).
@@ -138,6 +138,7 @@ def accum_train_flags(model_dir: Path, data: Path, out: Path) -> list[str]:
 CONTESTANTS = {  # name -> extra accum-train flags, or the peer's role
     "accum-train": [],
     "accum-train --compile": ["--compile"],
+    "accum-train --layout shard": ["--layout", "shard"],  # what a model too big to replicate gets
     "accelerate": "accelerate",
     "trainer": "trainer",
 }

@@ -107,7 +107,13 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
     with CollectiveLog() as log:
         loop.train_step(model, optimizer, scheduler, microbatches(accum, between), sync, 1.0, torch.device("cpu"))
     counts = Counter()
+    shards = mesh.size(mesh.mesh_dim_names.index("shard"))
     for kind, group, numel in log.calls:
+        if kind == "all_reduces" and group == shard_group and numel == shards * layer_shard:
+            # On gloo, FSDP's reduce-scatter is an all-reduce in place of the whole layer's
+            # gradients on the shard group (runtime.InPlaceReduceScatter): a reduce-scatter.
+            kind, numel = "reduce_scatters", layer_shard
+            counts["in_place"] += 1
         wanted = across_group if kind == "all_reduces" else shard_group
         if group == wanted and numel == layer_shard:
             counts[kind] += 1
@@ -118,6 +124,7 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
         "replicas": replicas,
         "checkpointing": checkpointing,
         "collectives": per_layer,
+        "reduce_scatters_in_place": counts["in_place"] / len(layers),
         "bytes_between_microbatches": between[1:],  # the first is before any backward
         "layer_forwards_per_microbatch": [forwards[id(layer)] / accum for layer in layers],
     }

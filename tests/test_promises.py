@@ -124,7 +124,7 @@ def test_eval_loss_is_computed_without_dropout(tmp_path, monkeypatch):
 
     from accum_cli.data import MicrobatchReader
     from accum_cli.evaluate import eval_loss
-    from accum_cli.loop import token_loss_sum
+    from accum_cli.loss import token_loss_sum
 
     monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
     raw = datasets.Dataset.from_dict({"text": [f"row {i} of some words of text " * 3 for i in range(6)]})

@@ -60,6 +60,8 @@ def test_collectives_per_step_are_what_the_plan_prints(request, case):
     expected = policy.collectives(m["sync"], m["accum"], m["replicas"])
     got = policy.Collectives(**{kind: int(n) for kind, n in m["collectives"].items()})
     assert got == expected, f"{case}: measured {got}, policy.collectives {expected}"
+    # On gloo every one of them is the in-place all-reduce (runtime.InPlaceReduceScatter), not gloo's own.
+    assert m["reduce_scatters_in_place"] == got.reduce_scatters, m
     # ... and `--plan` for the same layout prints exactly these numbers.
     world = 2 * m["replicas"]
     result = CliRunner().invoke(app, ["--plan", "--world-size", str(world), "--replicas", str(m["replicas"]),

@@ -1,0 +1,130 @@
+"""The loss and the gradient reduction are the ones PyTorch would compute, with less memory:
+the cross-entropy against `F.cross_entropy`, the gloo reduce-scatter against gloo's own, each
+with the bytes it holds measured by PyTorch's MemTracker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from helpers import free_port
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from accum_cli import loss
+from accum_cli.loss import token_loss_sum
+from accum_cli.store import IGNORE_INDEX
+
+
+def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The textbook shifted cross-entropy, as the HF models compute it."""
+    vocab = logits.size(-1)
+    shifted = logits[:, :-1].reshape(-1, vocab).float()
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def batch(dtype: torch.dtype, vocab: int = 301, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(3, 17, vocab, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (3, 17), generator=g)
+    labels[0, :5] = IGNORE_INDEX  # a prompt
+    labels[2, 9:] = IGNORE_INDEX  # padding
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_elements", [loss.CHUNK_ELEMENTS, 1000, 1])  # one chunk, 3 rows, 1 row
+def test_the_sum_and_its_gradient_are_cross_entropys(monkeypatch, dtype, chunk_elements):
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", chunk_elements)
+    logits, labels = batch(dtype)
+    want_leaf, got_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    want, got = reference(want_leaf, labels), token_loss_sum(got_leaf, labels)
+    (want * 0.37).backward()
+    (got * 0.37).backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (float(got), float(want))
+    assert got_leaf.grad.dtype == dtype
+    scale = want_leaf.grad.float().abs().max()
+    assert (got_leaf.grad.float() - want_leaf.grad.float()).abs().max() <= 1e-6 * scale
+    assert not got_leaf.grad[2, 8:].any(), "positions predicting ignored labels get no gradient"
+
+
+def test_what_does_not_count_cannot_poison_the_sum():
+    logits, labels = batch(torch.float32)
+    logits[2, 12] = float("nan")  # predicts an ignored label
+    assert torch.isfinite(token_loss_sum(logits, labels))
+    labels[:] = IGNORE_INDEX
+    assert float(token_loss_sum(logits, labels)) == 0.0
+    logits[0, 7, 3] = float("inf")  # ... while a position that counts is reported, not hidden
+    labels[0, 8] = 4
+    assert not torch.isfinite(token_loss_sum(logits, labels))
+
+
+def peak_bytes(fn, *tensors) -> int:
+    tracker = MemTracker()
+    tracker.track_external(*tensors)
+    with tracker:
+        fn()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_forward_and_backward_hold_the_logits_and_one_gradient():
+    """F.cross_entropy on shifted logits holds the logits, their shifted copy, log_softmax's output
+    and its gradient: about four logits' worth. This holds two: the logits and their gradient."""
+    logits, labels = batch(torch.float32, vocab=4096)
+    size = logits.numel() * logits.element_size()
+
+    def step(compute):
+        def run():
+            leaf = logits.clone().requires_grad_()
+            compute(leaf, labels).backward()
+            del leaf
+
+        return run
+
+    ours, textbook = peak_bytes(step(token_loss_sum), logits, labels), peak_bytes(step(reference), logits, labels)
+    print(f"peak in logits' sizes: ours {ours / size:.2f}, F.cross_entropy {textbook / size:.2f}")
+    assert ours < 3.2 * size, ours / size  # the input, its clone and one gradient, with row vectors
+    assert textbook > 4 * size, textbook / size  # so the measurement can tell them apart
+
+
+def _reduce_scatter_ranks(rank: int, world: int, port: int, results) -> None:
+    from accum_cli.model import InPlaceReduceScatter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        grads = torch.randn(world * 2**18, generator=g)  # 1 MiB per rank
+        want = torch.empty(2**18)
+        dist.reduce_scatter_single(want, grads.clone())
+        comm = InPlaceReduceScatter()
+        staging = comm.allocate((grads.numel(),), dtype=torch.float32, device=torch.device("cpu"))
+        staging.copy_(grads)
+        got = comm.allocate((2**18,), dtype=torch.float32, device=torch.device("cpu"))
+
+        def gloos_own():
+            dist.reduce_scatter_single(got, staging)
+
+        def ours():
+            comm(got, staging, dist.group.WORLD, dist.ReduceOp.SUM)
+
+        staging_copy = staging.clone()
+        theirs_peak = peak_bytes(gloos_own, staging, got)
+        staging.copy_(staging_copy)
+        ours_peak = peak_bytes(ours, staging, got)
+        results[rank] = (torch.equal(got, want), ours_peak, theirs_peak, staging.numel() * 4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_gloo_reduce_scatter_sums_like_gloos_own_without_its_copy():
+    """FSDP's gradient reduce-scatter on gloo ranks (model.shard sets it on every unit there)."""
+    world = 2
+    results = mp.Manager().dict()
+    mp.spawn(_reduce_scatter_ranks, args=(world, free_port(), results), nprocs=world, join=True)
+    for rank in range(world):
+        same, ours, theirs, staging = results[rank]
+        assert same, f"rank {rank}: the sums differ from gloo's reduce-scatter"
+        assert ours <= staging * (1 + 1 / world), (rank, ours, staging)  # staging and the shard, no more
+        assert theirs >= ours + staging, (rank, theirs, ours)  # gloo's copies the whole input first
