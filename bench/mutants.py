@@ -46,6 +46,7 @@ PROMISES = "tests/test_promises.py"
 TRUST = "tests/test_trust.py"
 ESTIMATE = "tests/test_estimate.py"
 STREAM = "tests/test_streaming.py"
+LOSS = "tests/test_loss.py"
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +289,20 @@ MUTANTS = [
     Mutant("compile: the threshold ignored", "accum_cli/sharding.py",
            "    return remaining_steps * step_seconds >= threshold_s\n", "    return True\n",
            (EQ, "-k", "compile_decided")),
+    # --- memory: the loss, the gloo reduce-scatter and malloc hold no more than they must -------------
+    Mutant("loss: the textbook cross-entropy on sliced logits", "accum_cli/loss.py",
+           "    return _CrossEntropySum.apply(logits.reshape(-1, vocab), targets.reshape(-1))\n",
+           "    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(),\n"
+           "        labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction='sum')\n", (LOSS, "-k", "hold")),
+    Mutant("loss: the gradient forgets the one-hot", "accum_cli/loss.py",
+           "            probs.scatter_add_(1, safe[rows].unsqueeze(1), torch.full_like(probs[:, :1], -1.0))\n", "",
+           (LOSS, "-k", "cross_entropys")),
+    Mutant("model: gloo reduce-scatters left to gloo's own", "accum_cli/model.py",
+           "                module.set_custom_reduce_scatter(InPlaceReduceScatter())\n", "",
+           (SYNC, "-k", "collectives and every")),
+    Mutant("hostmem: the mmap threshold left to glibc", "accum_cli/hostmem.py",
+           "    return bool(mallopt(M_MMAP_THRESHOLD, LEAN_THRESHOLD_BYTES))\n", "    return True\n",
+           ("tests/test_hostmem.py",)),
     # --- checkpoint: meta.json is validated, field by field -----------------------------------------
     Mutant("checkpoint: meta.json's samples not checked against its steps", "accum_cli/checkpoint.py",
            'if fields["samples"] != implied or fields["origin_samples"] < fields["origin_step"]:',

@@ -14,9 +14,9 @@ from accum_cli import hostmem
 def rss_mib():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 print(hostmem.follow_live_tensors() if sys.argv[1] == "lean" else None)
-big = torch.ones(4 * 2**20); del big  # 16 MiB, mmapped; its free raises glibc's threshold to 16 MiB
+big = torch.ones(6 * 2**20); del big  # 24 MiB, mmapped; its free raises glibc's threshold to 24 MiB
 before = rss_mib()
-blocks = [torch.ones(2**20) for _ in range(24)]  # 24 x 4 MiB, now served from the heap
+blocks = [torch.ones(3 * 2**20) for _ in range(8)]  # 8 x 12 MiB, now served from the heap
 pin = torch.ones(2**18)  # 1 MiB above them: the heap's top cannot shrink past it
 del blocks
 print(rss_mib() - before)
