@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml
 run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
+# Two workers, a test file each at a time (its module fixtures built once): the suite's many
+# launches spend much of their time starting processes, so two cores are busier with two files.
 test: setup
-	$(BIN)/pytest -q --durations=20
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"
