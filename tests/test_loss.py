@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import free_port, save_tiny_model
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from accum_cli import loss
@@ -87,6 +87,31 @@ def test_forward_and_backward_hold_the_logits_and_one_gradient():
     print(f"peak in logits' sizes: ours {ours / size:.2f}, F.cross_entropy {textbook / size:.2f}")
     assert ours < 3.2 * size, ours / size  # the input, its clone and one gradient, with row vectors
     assert textbook > 4 * size, textbook / size  # so the measurement can tell them apart
+
+
+def test_a_microbatch_frees_its_logits_before_the_output_projections_backward(tmp_path):
+    """The step's own code (loop.microbatch_backward) keeps no reference to the model's output
+    through backward: the logits are gone once the loss's backward has run, before the output
+    projection computes its gradients (with a 32K vocabulary, one logits' worth less at the peak)."""
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from accum_cli.data import Microbatch
+    from accum_cli.loop import microbatch_backward
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model"), dtype=torch.float32)
+    model.train()
+    logits, alive_at_head = [], []
+    model.register_forward_hook(lambda module, args, kwargs, out: logits.append(weakref.ref(out.logits)),
+                                with_kwargs=True)  # fmt: skip
+    head = model.get_output_embeddings()
+    head.register_full_backward_pre_hook(lambda module, grad: alive_at_head.append(logits[-1]() is not None))
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    microbatch_backward(model, Microbatch(ids, torch.ones_like(ids), ids.clone()), "every", True, 22,
+                        torch.device("cpu"))  # fmt: skip
+    assert alive_at_head == [False]
+    assert head.weight.grad is not None
 
 
 def _reduce_scatter_ranks(rank: int, world: int, port: int, results) -> None:
