@@ -19,6 +19,8 @@ stays flat whatever the corpus size. The result is published atomically under th
 the tokenizer and every option (`cache_key`: the identity of the prepared data), so a second
 run, or a second rank, reads it instead of tokenising again. Rank 0 prepares first; on a node
 that does not see its cache, that node's first local rank prepares while its siblings wait.
+A training run reads and prepares the rows in forked children (isolate.py, train.data_keys and
+train.build_data), so its ranks never hold `datasets` and its libraries: they read the cache.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than t
 TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
-__all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "make_rows", "prepare"]
+__all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "collect", "make_rows", "prepare"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,9 +400,15 @@ def default_num_proc() -> int:
 
 
 def cache_root() -> Path:
-    import datasets
-
-    return Path(os.environ.get("ACCUM_TRAIN_CACHE", Path(datasets.config.HF_DATASETS_CACHE) / "accum-train"))
+    """ACCUM_TRAIN_CACHE, or accum-train/ in the datasets cache, found as `datasets.config` finds it:
+    reading that would import datasets into a trainer that has no other use for it (isolate.py)."""
+    if os.environ.get("ACCUM_TRAIN_CACHE"):
+        return Path(os.environ["ACCUM_TRAIN_CACHE"])
+    hf_home = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(
+        os.path.expanduser(os.environ.get("HF_HOME", hf_home)), "datasets"
+    )
+    return Path(datasets_cache) / "accum-train"
 
 
 def cache_key(raw, tokenizer, options: Options, fmt: str) -> str:
@@ -425,8 +433,8 @@ def cached(key: str) -> tuple[Prepared, Stats] | None:
         ) from None
 
 
-def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool):
-    """Tokenise in a private folder, publish it atomically, return (prepared data, stats)."""
+def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool) -> None:
+    """Tokenise in a private folder and publish it atomically under the cache, as `key`."""
     root = cache_root()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -461,7 +469,6 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
         publish(work, root / key)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return cached(key)
 
 
 def check_trainable(stats: Stats, options: Options) -> None:
@@ -524,32 +531,54 @@ def _progress(rows: int | None, show: bool):
                 file=sys.stderr, dynamic_ncols=True)  # fmt: skip
 
 
-def prepare(raw, tokenizer, options: Options, is_main: bool, is_node_leader: bool, barrier: Callable[[], None],
-            num_proc: int | None = None) -> tuple[Prepared, Stats, bool]:  # fmt: skip
-    """Collective: rank 0 tokenises; then on every node that does not see rank 0's cache, the
-    first local rank tokenises while its siblings wait. Returns (data, stats, whether this rank
-    tokenised)."""
+def check_num_proc(num_proc: int | None) -> None:
     if num_proc is not None and num_proc < 1:  # checked alike on every rank, so all fail together
         raise UserError(f"--num-proc must be >= 1, got {num_proc}")
+
+
+def prepare(raw, tokenizer, options: Options, is_main: bool, is_node_leader: bool, barrier: Callable[[], None],
+            num_proc: int | None = None) -> tuple[Prepared, Stats, bool]:  # fmt: skip
+    """Collective: `raw` prepared once and cached (see `collect`), in this process."""
+    check_num_proc(num_proc)
     rows = as_rows(raw)
     fmt = check(rows, tokenizer, options)
     key = cache_key(rows, tokenizer, options, fmt)
     num_proc = num_proc or default_num_proc()
-    found, tokenised = None, False
+
+    def make(show_progress: bool) -> None:
+        build(rows, tokenizer, options, fmt, key, num_proc, show_progress)
+
+    return collect(key, make, options, is_main, is_node_leader, barrier)
+
+
+def collect(key: str, make: Callable[[bool], None], options: Options, is_main: bool, is_node_leader: bool,
+            barrier: Callable[[], None]) -> tuple[Prepared, Stats, bool]:  # fmt: skip
+    """Collective: the prepared data of `key` from the cache, where `make(show_progress)` publishes it if
+    missing. Rank 0 makes it; then on every node that does not see rank 0's cache, the first local
+    rank makes it while its siblings wait. Returns (data, stats, whether this rank made it)."""
+    found, made = None, False
+
+    def made_here(show_progress: bool) -> tuple[Prepared, Stats]:
+        make(show_progress)
+        result = cached(key)
+        if result is None:
+            raise RuntimeError(f"the prepared data {cache_root() / key} is not in the cache after preparing it")
+        return result
+
     if is_main:
         found = cached(key)
         if found is None:
-            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=True), True
+            found, made = made_here(True), True
     barrier()  # rank 0's copy is published
     if not is_main:
         found = cached(key)
         if found is None and is_node_leader:  # this node has a disk of its own
-            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+            found, made = made_here(False), True
     barrier()  # every node leader's copy is published
     if found is None:  # a sibling of a node leader: the leader's copy, or (another cache still) our own
         found = cached(key)
         if found is None:
-            found, tokenised = build(rows, tokenizer, options, fmt, key, num_proc, show_progress=False), True
+            found, made = made_here(False), True
     data, stats = found
     check_trainable(stats, options)
-    return data, stats, tokenised
+    return data, stats, made

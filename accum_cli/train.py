@@ -22,6 +22,7 @@ from accum_cli import (
     data,
     fit,
     hostmem,
+    isolate,
     layout,
     optim,
     outdir,
@@ -211,20 +212,21 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
 def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> Setup:
     """Every check that can fail on user input runs here, before weights load or files appear."""
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
-    raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code, streaming=cfg.streaming)
-    raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset") if cfg.eval_dataset else None
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     vocab_size = getattr(model_config, "vocab_size", None)
     options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
-    if cfg.streaming:
+    prepare.check_num_proc(cfg.num_proc)
+    eval_key = None
+    if cfg.streaming:  # the stream is read as training goes: datasets stays in this process
+        raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code, streaming=True)
         max_positions = getattr(model_config, "max_position_embeddings", None)
         name = cfg.dataset or "(the embedded corpus)"
         streamed = stream.open_source(raw, name, tokenizer, options, cfg.seed, cfg.shuffle_buffer, max_positions)
         data_key = stream.identity(cfg.dataset, cfg.dataset_config, cfg.split, streamed)
-    else:
-        data_key = prepare.cache_key(raw, tokenizer, options, prepare.check(raw, tokenizer, options))
-    if raw_eval is not None:
-        prepare.check(raw_eval, tokenizer, options)
+        if cfg.eval_dataset:
+            prepare.check(sources.load_raw(cfg.eval_dataset, flag="--eval-dataset"), tokenizer, options)
+    else:  # read and checked in a child: this process never imports datasets (isolate.py)
+        data_key, eval_key = isolate.in_child(data_keys, cfg, tokenizer, options)
     data_id = data_identity(data_key, cfg)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     replayed = None
@@ -241,14 +243,27 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         dist.barrier(group=prep_group)
 
     leader = rt.local_rank == 0
+
+    def prepared(key: str, evaluation: bool):
+        def make(show_progress: bool) -> None:
+            isolate.in_child(build_data, cfg, tokenizer, options, key, evaluation, show_progress)
+
+        return prepare.collect(key, make, options, rt.is_main, leader, barrier)
+
     if cfg.streaming:
         dataset, stats, tokenised = stream.StreamReader(streamed, _pad_id(tokenizer, model_config)), None, False
     else:
-        dataset, stats, tokenised = prepare.prepare(raw, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
+        dataset, stats, tokenised = prepared(data_key, evaluation=False)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
     eval_dataset = None
-    if raw_eval is not None:
-        eval_dataset, _, _ = prepare.prepare(raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc)
+    if cfg.eval_dataset:
+        if cfg.streaming:
+            raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset")
+            eval_dataset, _, _ = prepare.prepare(
+                raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc
+            )
+        else:
+            eval_dataset, _, _ = prepared(eval_key, evaluation=True)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if cfg.streaming:
@@ -326,6 +341,30 @@ def check_stream(
         f"--resume {meta.path}: the stream ends before sample {first + global_batch:,}, so no step is left after "
         "the checkpoint's; the run is complete"
     )
+
+
+def _raw(cfg: TrainConfig, evaluation: bool):
+    if evaluation:
+        return sources.load_raw(cfg.eval_dataset, flag="--eval-dataset")
+    return sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
+
+
+def data_keys(cfg: TrainConfig, tokenizer, options: prepare.Options) -> tuple[str, str | None]:
+    """The cheap checks of the training (and evaluation) data and their cache keys: every rank, before
+    any collective, so all fail alike. Run in a child (isolate.py): it reads the rows with datasets."""
+    keys = []
+    for evaluation in (False, True) if cfg.eval_dataset else (False,):
+        rows = prepare.as_rows(_raw(cfg, evaluation))
+        keys.append(prepare.cache_key(rows, tokenizer, options, prepare.check(rows, tokenizer, options)))
+    return keys[0], (keys[1] if len(keys) > 1 else None)
+
+
+def build_data(cfg: TrainConfig, tokenizer, options: prepare.Options, key: str, evaluation: bool,
+               show_progress: bool) -> None:  # fmt: skip
+    """Tokenise the rows into the cache as `key` (the key data_keys found). Run in a child, as data_keys."""
+    rows = prepare.as_rows(_raw(cfg, evaluation))
+    fmt = prepare.check(rows, tokenizer, options)
+    prepare.build(rows, tokenizer, options, fmt, key, cfg.num_proc or prepare.default_num_proc(), show_progress)
 
 
 def data_identity(prepared_key: str, cfg: TrainConfig) -> str:
