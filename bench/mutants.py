@@ -306,6 +306,9 @@ MUTANTS = [
     Mutant("hostmem: the mmap threshold left to glibc", "accum_cli/hostmem.py",
            "    return bool(mallopt(M_MMAP_THRESHOLD, LEAN_THRESHOLD_BYTES))\n", "    return True\n",
            ("tests/test_hostmem.py",)),
+    Mutant("isolate: the data work done in the trainer", "accum_cli/isolate.py",
+           "    if not available():\n        return fn(*args)\n", "    return fn(*args)\n",
+           ("tests/test_isolate.py", "-k", "never_imports")),
     # --- checkpoint: meta.json is validated, field by field -----------------------------------------
     Mutant("checkpoint: meta.json's samples not checked against its steps", "accum_cli/checkpoint.py",
            'if fields["samples"] != implied or fields["origin_samples"] < fields["origin_step"]:',
