@@ -15,6 +15,7 @@ function runs in this process instead: the same result, without the saving.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -36,10 +37,15 @@ def in_child(fn: Callable, *args):
     read_end, write_end = os.pipe()
     sys.stdout.flush()  # or the child's exit would print what this process had buffered again
     sys.stderr.flush()
+    # The child's garbage collector must leave alone what was made before the fork: a dead process
+    # group awaiting collection would run its destructor there and wait forever for gloo's threads,
+    # which a forked child does not have.
+    gc.freeze()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read_end)
         _serve(write_end, fn, args)
+    gc.unfreeze()
     os.close(write_end)
     with os.fdopen(read_end) as pipe:
         text = pipe.read()
@@ -53,11 +59,16 @@ def in_child(fn: Callable, *args):
     return report["value"]
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _serve(write_end: int, fn: Callable, args) -> None:
-    # A stop request is this process's to honour: the parent's handlers (checkpoint, then exit)
-    # mean nothing here, so a signal ends the child and the parent sees it.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # Ctrl-C or a job's SIGTERM reaches the child too (its process group): it unwinds, so the
+    # preparation's own cleanup runs (its private folder removed), and the parent hears a crash.
+    # The parent's handlers, whatever they are, mean nothing here.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         report = {"value": fn(*args)}
     except UserError as exc:

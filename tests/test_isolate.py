@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, env, save_tiny_model
+from helpers import REPO, env, free_port, save_tiny_model
 
 from accum_cli import isolate
 from accum_cli.errors import UserError
@@ -47,6 +47,47 @@ def test_a_crash_or_a_kill_in_the_child_is_an_error_here_not_a_value():
         isolate.in_child(crash)
     with pytest.raises(RuntimeError, match="signal 9"):
         isolate.in_child(lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def test_a_signal_unwinds_the_child_so_its_cleanup_runs(tmp_path):
+    """Ctrl-C or a job's SIGTERM: the preparation's finally (its private folder removed) still runs."""
+    work = tmp_path / "work"
+
+    def prepare_until_signalled(signum):
+        work.mkdir()
+        try:
+            os.kill(os.getpid(), signum)
+            signal.pause()  # not reached: the handler raises
+        finally:
+            work.rmdir()
+
+    for signum, name in ((signal.SIGTERM, "SystemExit"), (signal.SIGINT, "KeyboardInterrupt")):
+        with pytest.raises(RuntimeError, match=name):
+            isolate.in_child(prepare_until_signalled, signum)
+        assert not work.exists()
+
+
+DEAD_GROUP_THEN_CHILD = """
+import gc, os, sys
+import torch.distributed as dist
+from accum_cli import isolate
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+gc.disable()  # so the dead group below waits for a collector, as one left by earlier work can
+dist.init_process_group("gloo", rank=0, world_size=1)
+cycle = {"group": dist.group.WORLD}
+cycle["self"] = cycle
+dist.destroy_process_group()
+del cycle
+print(isolate.in_child(lambda: gc.collect() >= 0), flush=True)
+"""
+
+
+def test_a_child_collecting_garbage_never_runs_a_dead_process_groups_destructor():
+    """A gloo group's destructor waits for its threads; run by a forked child's collector, which
+    has none of them, it would wait forever (it hung a test run once)."""
+    done = subprocess.run([sys.executable, "-c", DEAD_GROUP_THEN_CHILD, str(free_port())], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stdout + done.stderr
 
 
 TRAIN_AND_LIST = """
