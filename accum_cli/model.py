@@ -367,7 +367,10 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
         fully_shard(layer, **kwargs)
     embedding, head = edge_units(model)
     if embedding is not None:
+        lookup_only = type(embedding).forward is nn.Embedding.forward
         fully_shard(embedding, **kwargs)
+        if lookup_only:  # its backward scatters the output's gradient into rows, never reading the weight,
+            embedding.set_unshard_in_backward(False)  # so gathering it there would only add to the step's peak
     if head is not None:  # its backward follows its forward at once: resharding between them only re-gathers
         fully_shard(head, **(kwargs | {"reshard_after_forward": False}))
     fully_shard(model, **kwargs)

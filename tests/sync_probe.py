@@ -100,6 +100,9 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     layer_shard = sum(p.to_local().numel() for p in layers[0].parameters())
+    # The untied input embedding and output projection: units of their own, of one size here.
+    edge_shard = model.get_input_embeddings().weight.to_local().numel()
+    assert edge_shard == model.get_output_embeddings().weight.to_local().numel() != layer_shard
     shard_group = mesh.get_group("shard").group_name
     across_group = mesh.get_group("replicate").group_name if replicas > 1 else None
     between: list[int] = []
@@ -114,6 +117,8 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
             # gradients on the shard group (runtime.InPlaceReduceScatter): a reduce-scatter.
             kind, numel = "reduce_scatters", layer_shard
             counts["in_place"] += 1
+        if kind == "all_gathers" and group == shard_group and numel == edge_shard:
+            counts["edge_all_gathers"] += 1
         wanted = across_group if kind == "all_reduces" else shard_group
         if group == wanted and numel == layer_shard:
             counts[kind] += 1
@@ -125,6 +130,7 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
         "checkpointing": checkpointing,
         "collectives": per_layer,
         "reduce_scatters_in_place": counts["in_place"] / len(layers),
+        "edge_all_gathers_per_microbatch": counts["edge_all_gathers"] / accum,
         "bytes_between_microbatches": between[1:],  # the first is before any backward
         "layer_forwards_per_microbatch": [forwards[id(layer)] / accum for layer in layers],
     }

@@ -76,6 +76,13 @@ def test_collectives_per_step_are_what_the_plan_prints(request, case):
     assert printed == f"{policy.collectives_per_step(m['sync'], m['accum'], m['replicas'])} per decoder layer per step"
 
 
+@pytest.mark.parametrize("case", ["every:3", "last:3"])
+def test_the_embedding_and_output_projection_are_gathered_once_per_microbatch(two_ranks, case):
+    """The output projection is kept gathered from its forward to its backward; the embedding's
+    backward never reads its weight (set_unshard_in_backward(False)): one gather each, not two."""
+    assert two_ranks[case]["edge_all_gathers_per_microbatch"] == 2, two_ranks[case]
+
+
 def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
     # What a policy holds is there at every microbatch boundary; the smaller reading is taken
     # because gloo sometimes still holds the root group's reduce-scatter buffers (~2 x its
