@@ -9,21 +9,28 @@ is built fell from 455 to 356 MiB per rank, and the sharded peak from ~1095 to ~
 
 The child reports back through a pipe as JSON (our own child, our own format; nothing is
 unpickled): its return value, or the one line of a UserError, which the parent raises as its
-own, so bad input still gives one line and exit 2. Where fork is not what it is on Linux, the
-function runs in this process instead: the same result, without the saving.
+own, so bad input still gives one line and exit 2. Ctrl-C or a signal ends the child at once
+(its own workers die with it), Ctrl-C there is Ctrl-C here, and the caller removes what a
+stopped child left (train.py). Where fork is not what it is on Linux, the function runs in this
+process instead: the same result, without the saving.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import json
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
 from accum_cli.errors import UserError, first_line
+
+STOP_GRACE_S = 5.0  # for a child told to stop (SIGTERM) to end before SIGKILL
 
 
 def available() -> bool:
@@ -41,45 +48,79 @@ def in_child(fn: Callable, *args):
     # group awaiting collection would run its destructor there and wait forever for gloo's threads,
     # which a forked child does not have.
     gc.freeze()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(read_end)
-        _serve(write_end, fn, args)
+        _serve(write_end, fn, args, parent)
     gc.unfreeze()
     os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        text = pipe.read()
+    try:
+        with os.fdopen(read_end) as pipe:
+            text = pipe.read()
+    except BaseException:  # Ctrl-C, or a stop: the child is told too, and given time to clean up
+        _stop(pid)
+        raise
     _, status = os.waitpid(pid, 0)
     report = json.loads(text) if text else {}
     if "error" in report:
         raise UserError(report["error"])
-    if "value" not in report:
-        how = f"signal {-os.waitstatus_to_exitcode(status)}" if os.WIFSIGNALED(status) else report.get("crash", "")
-        raise RuntimeError(f"the data preparation process failed ({how or 'no report'})")
-    return report["value"]
+    if "value" in report:
+        return report["value"]
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C reached the child first: this process was interrupted too
+    how = f"killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else report.get("crash")
+    raise RuntimeError(f"the data preparation process failed ({how or 'no report'})")
 
 
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+def _stop(pid: int) -> None:
+    """SIGTERM, then SIGKILL if the child has not ended within STOP_GRACE_S; waits for its end."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
-def _serve(write_end: int, fn: Callable, args) -> None:
-    # Ctrl-C or a job's SIGTERM reaches the child too (its process group): it unwinds, so the
-    # preparation's own cleanup runs (its private folder removed), and the parent hears a crash.
-    # The parent's handlers, whatever they are, mean nothing here.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+def _serve(write_end: int, fn: Callable, args, parent: int) -> None:
+    """The child's whole life: whatever happens, it ends in os._exit, never back in the caller."""
+    report = {"crash": "no report"}
     try:
+        # Ctrl-C or a job's SIGTERM (they reach the child too: its process group) ends the child at
+        # once. Unwinding would end its pool of workers, which multiprocessing can hang doing
+        # when a worker dies halfway through a message; what a stopped child leaves, the caller
+        # removes once it is gone. The parent's handlers, whatever they are, mean nothing here.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        end_with_parent()
+        if os.getppid() != parent:  # it died before that took effect
+            os._exit(128 + signal.SIGTERM)
         report = {"value": fn(*args)}
     except UserError as exc:
         report = {"error": str(exc)}
     except BaseException as exc:  # a bug: its stack on stderr, its name to the parent
-        traceback.print_exc()
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            traceback.print_exc()
         report = {"crash": f"{type(exc).__name__}: {first_line(exc)}"}
-    try:
-        with os.fdopen(write_end, "w") as pipe:
-            json.dump(report, pipe)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(BaseException), os.fdopen(write_end, "w") as pipe:  # a parent gone: nobody to tell
+            json.dump(report, pipe)
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(0)  # no atexit handlers, no second flush: they are the parent's
+
+
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def end_with_parent() -> None:
+    """This process gets a SIGTERM when its parent dies, however it dies (kill -9, the OOM killer):
+    no orphan goes on preparing data nobody waits for, holding its private folder. Linux only."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from accum_cli import isolate
 from accum_cli.errors import UserError, first_line
 from accum_cli.sources import Rows, rows_of
 from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
@@ -336,6 +338,13 @@ _JOB: Job | None = None  # a worker process's job, set once when the pool starts
 
 
 def _init_worker(job: Job) -> None:
+    # Ctrl-C is the pool owner's to handle (it terminates the pool): a worker interrupted halfway
+    # through a message left the owner blocked for ever on a half-read pipe. The owner's SIGTERM
+    # handler is not the worker's (terminate() means now), and a dead owner takes its workers along.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if isolate.available():
+        isolate.end_with_parent()
     global _JOB
     _JOB = job
 

@@ -246,7 +246,10 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
 
     def prepared(key: str, evaluation: bool):
         def make(show_progress: bool) -> None:
-            isolate.in_child(build_data, cfg, tokenizer, options, key, evaluation, show_progress)
+            try:
+                isolate.in_child(build_data, cfg, tokenizer, options, key, evaluation, show_progress)
+            finally:  # a child stopped halfway (Ctrl-C, a signal) leaves its private folder: gone with it
+                prepare.remove_abandoned(prepare.cache_root())
 
         return prepare.collect(key, make, options, rt.is_main, leader, barrier)
 

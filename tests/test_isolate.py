@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO, env, free_port, save_tiny_model
@@ -45,26 +46,77 @@ def test_a_crash_or_a_kill_in_the_child_is_an_error_here_not_a_value():
 
     with pytest.raises(RuntimeError, match="KeyError"):
         isolate.in_child(crash)
-    with pytest.raises(RuntimeError, match="signal 9"):
+    with pytest.raises(RuntimeError, match="killed by SIGKILL"):
         isolate.in_child(lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def test_a_signal_unwinds_the_child_so_its_cleanup_runs(tmp_path):
-    """Ctrl-C or a job's SIGTERM: the preparation's finally (its private folder removed) still runs."""
-    work = tmp_path / "work"
+def test_a_signal_ends_the_child_at_once_and_is_told_here():
+    """Ctrl-C in the child is Ctrl-C here; another signal is a failure that names it."""
 
-    def prepare_until_signalled(signum):
-        work.mkdir()
-        try:
-            os.kill(os.getpid(), signum)
-            signal.pause()  # not reached: the handler raises
-        finally:
-            work.rmdir()
+    def signalled(signum):
+        os.kill(os.getpid(), signum)
+        time.sleep(60)  # not reached: the signal's default action ends the child
 
-    for signum, name in ((signal.SIGTERM, "SystemExit"), (signal.SIGINT, "KeyboardInterrupt")):
-        with pytest.raises(RuntimeError, match=name):
-            isolate.in_child(prepare_until_signalled, signum)
-        assert not work.exists()
+    with pytest.raises(RuntimeError, match="killed by SIGTERM"):
+        isolate.in_child(signalled, signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        isolate.in_child(signalled, signal.SIGINT)
+
+
+def test_ctrl_c_while_tokenising_ends_every_process_and_leaves_no_folder(tmp_path):
+    """Ctrl-C as a terminal sends it (to the whole process group) while worker processes
+    tokenise in the child: the run ends at once (130), no process of it is left, and the
+    preparation's private folder is gone. multiprocessing could hang ending a pool whose workers
+    were interrupted halfway through a message; the child no longer tries."""
+    model = save_tiny_model(tmp_path / "model")
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "hex",
+        "jolly",
+        "kings",
+    ]
+    line = " ".join(words * 4)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "{i} {line}"}}\n' for i in range(72_000)))  # ~24 MB: worker processes
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "accum_cli", "--model", str(model), "--dataset", str(corpus), "--seq-len", "64",
+           "--global-batch", "4", "--micro-batch", "2", "--max-steps", "1", "--num-proc", "2",
+           "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(cache)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(cache.glob(".tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(cache.glob(".tmp-*")), "the preparation never started"
+    time.sleep(0.5)  # the workers are tokenising
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output[-2000:]
+    deadline = time.monotonic() + 15
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid), "a process of the run outlived it"
+    assert not list(cache.glob(".tmp-*")), list(cache.iterdir())
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 DEAD_GROUP_THEN_CHILD = """
@@ -92,6 +144,7 @@ def test_a_child_collecting_garbage_never_runs_a_dead_process_groups_destructor(
 
 TRAIN_AND_LIST = """
 import sys
+import time
 from accum_cli import cli
 exit_process = cli.exit_process
 def exit_and_list(code):
