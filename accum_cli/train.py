@@ -216,7 +216,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     vocab_size = getattr(model_config, "vocab_size", None)
     options = prepare.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
     prepare.check_num_proc(cfg.num_proc)
-    eval_key = None
+    eval_key, raw_eval = None, None
     if cfg.streaming:  # the stream is read as training goes: datasets stays in this process
         raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code, streaming=True)
         max_positions = getattr(model_config, "max_position_embeddings", None)
@@ -224,7 +224,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         streamed = stream.open_source(raw, name, tokenizer, options, cfg.seed, cfg.shuffle_buffer, max_positions)
         data_key = stream.identity(cfg.dataset, cfg.dataset_config, cfg.split, streamed)
         if cfg.eval_dataset:
-            prepare.check(sources.load_raw(cfg.eval_dataset, flag="--eval-dataset"), tokenizer, options)
+            raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset")
+            prepare.check(raw_eval, tokenizer, options)
     else:  # read and checked in a child: this process never imports datasets (isolate.py)
         data_key, eval_key = isolate.in_child(data_keys, cfg, tokenizer, options)
     data_id = data_identity(data_key, cfg)
@@ -261,7 +262,6 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     eval_dataset = None
     if cfg.eval_dataset:
         if cfg.streaming:
-            raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset")
             eval_dataset, _, _ = prepare.prepare(
                 raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc
             )

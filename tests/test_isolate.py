@@ -69,25 +69,7 @@ def test_ctrl_c_while_tokenising_ends_every_process_and_leaves_no_folder(tmp_pat
     preparation's private folder is gone. multiprocessing could hang ending a pool whose workers
     were interrupted halfway through a message; the child no longer tries."""
     model = save_tiny_model(tmp_path / "model")
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "the",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "wizards",
-        "quietly",
-        "hex",
-        "jolly",
-        "kings",
-    ]
-    line = " ".join(words * 4)
+    line = "the quick brown fox jumps over the lazy dog, " * 7  # ~300 bytes a row
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(f'{{"text": "{i} {line}"}}\n' for i in range(72_000)))  # ~24 MB: worker processes
     cache = tmp_path / "cache"
