@@ -58,7 +58,7 @@ def in_child(fn: Callable, *args):
     try:
         with os.fdopen(read_end) as pipe:
             text = pipe.read()
-    except BaseException:  # Ctrl-C, or a stop: the child is told too, and given time to clean up
+    except BaseException:  # Ctrl-C, or a stop: the child is ended too (the caller removes what it left)
         _stop(pid)
         raise
     _, status = os.waitpid(pid, 0)

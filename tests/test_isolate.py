@@ -18,6 +18,23 @@ from accum_cli.errors import UserError
 pytestmark = pytest.mark.skipif(not isolate.available(), reason="fork as on Linux")
 
 
+@pytest.mark.parametrize("extra", [{}, {"HF_HOME": "/srv/hf"}, {"XDG_CACHE_HOME": "/srv/xdg"},
+                                   {"HF_DATASETS_CACHE": "/srv/ds", "HF_HOME": "/srv/hf"}])  # fmt: skip
+def test_the_cache_is_where_datasets_keeps_its_own_found_without_importing_it(extra):
+    """cache_root computes the datasets cache itself (importing datasets is what the trainer
+    avoids): the same folder as datasets.config finds, or the cache of earlier runs would be lost."""
+    probe = ("import os, sys; from accum_cli import prepare; print(prepare.cache_root(), 'datasets' in sys.modules);"
+             "import datasets.config; print(datasets.config.HF_DATASETS_CACHE / 'accum-train')")  # fmt: skip
+    environment = {k: v for k, v in env(**extra).items() if k != "ACCUM_TRAIN_CACHE"}
+    for name in {"HF_HOME", "XDG_CACHE_HOME", "HF_DATASETS_CACHE"} - set(extra):
+        environment.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    ours, theirs = done.stdout.splitlines()
+    assert ours == f"{theirs} False"
+
+
 def test_the_childs_value_comes_back_and_its_imports_stay_there():
     name = "wave"  # a standard module nothing here imports
     assert name not in sys.modules
