@@ -16,6 +16,7 @@ every input, so a second `--plan` is instant.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -254,7 +255,8 @@ def tracked_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from accum_cli.loop import microbatch_backward, reduce_replicated_gradients
+    from accum_cli.loop import microbatch_backward
+    from accum_cli.reduce import summed_over_ranks
 
     if not optimizer.state:
         for p in model.parameters():
@@ -276,14 +278,18 @@ def tracked_step(
         tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
         tracker.track_inputs(inputs)
     with tracker:
+        fake = is_fake(next(model.parameters()))
         for index, mb in enumerate(microbatches):
-            microbatch_backward(model, mb, sync, index == len(microbatches) - 1, loss_tokens, device)
+            is_last = index == len(microbatches) - 1
+            # Fake tensors cannot meet a real collective: the estimate leaves it out, not its buffers.
+            reducing = (
+                summed_over_ranks(model, (lambda flat: None) if fake else None) if replicated and is_last else None
+            )
+            with reducing or contextlib.nullcontext():
+                microbatch_backward(model, mb, sync, is_last, loss_tokens, device)
             if not replicated:
                 _label_accumulated_gradients(tracker, model)
             tracker.reset_mod_stats()
-        if replicated:  # fake tensors cannot meet a real collective: the estimate leaves it out
-            fake = is_fake(next(model.parameters()))
-            reduce_replicated_gradients(model, all_reduce=(lambda flat: None) if fake else None)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ A mixture of experts that asks for its router's balancing loss gets it added, ex
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accum_cli import moe, policy
+from accum_cli import moe, policy, reduce
 from accum_cli.data import Microbatch
 from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
@@ -46,42 +47,6 @@ def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
         model.set_reshard_after_backward(is_last)
     if sync == policy.HSDP_DEFER:
         model.set_requires_all_reduce(is_last)
-
-
-def _sum_over_ranks(flat: torch.Tensor) -> None:
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-
-
-REDUCE_BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: few collectives, bounded extra memory
-
-
-def reduce_replicated_gradients(model: nn.Module, all_reduce=None) -> None:
-    """Replicated layout: sum each rank's accumulated gradients over ranks, once per step, in
-    buckets of flattened gradients. A parameter that saw no gradient on this rank (an expert no
-    token was routed to) contributes zeros, so every rank reduces the same buckets. `all_reduce`
-    replaces the collective (the memory estimate runs this on fake tensors, with none)."""
-    if all_reduce is None:
-        if dist.get_world_size() == 1:
-            return
-        all_reduce = _sum_over_ranks
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    filled = 0
-    for i, p in enumerate(params):
-        bucket.append(p.grad)
-        filled += p.grad.numel() * p.grad.element_size()
-        last = i == len(params) - 1
-        if filled >= REDUCE_BUCKET_BYTES or last or params[i + 1].grad.dtype != p.grad.dtype:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            all_reduce(flat)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, filled = [], 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,15 +149,15 @@ def train_step(
     router = RouterLoss(aux_coef, config, exact_aux, step_choices) if aux_coef else None
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]
+    replicated = not isinstance(model, FSDPModule)  # FSDP2 reduces under the sync policy's flags
     for index, mb in enumerate(microbatches):
         is_last = index == len(microbatches) - 1
         share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
-        mb_loss, aux = microbatch_backward(model, mb, sync, is_last, loss_tokens, device, share, router)
+        with reduce.summed_over_ranks(model) if replicated and is_last else contextlib.nullcontext():
+            mb_loss, aux = microbatch_backward(model, mb, sync, is_last, loss_tokens, device, share, router)
         mb_losses.append(mb_loss)
         if aux is not None:
             mb_aux.append(aux)
-    if not isinstance(model, FSDPModule):
-        reduce_replicated_gradients(model)
     ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
     aux_loss = aux if aux_coef else None
     loss = ce_sum / loss_tokens + aux_coef * aux

@@ -1,0 +1,127 @@
+"""The replicated layout's gradient sum over ranks, overlapped with the last microbatch's backward.
+
+Each rank accumulates its microbatches' gradients locally; the step's one reduction sums them
+over ranks (summed, not averaged: the loss is already divided by the global loss-token count).
+As DDP does, the reduction is bucketed and starts during the last backward: gradients arrive
+roughly in reverse order of the parameters, so the parameters are grouped into buckets in that
+order, and a bucket's all-reduce is launched as soon as its last gradient is accumulated, while
+backward goes on with the layers below.
+
+Every rank must issue the same collectives in the same order, whatever its timing, so buckets
+are launched strictly in order, and a bucket whose parameter saw no gradient on this rank in the
+last microbatch (an expert no token was routed to, an unused head) waits for the end of backward,
+where the rest are launched with zeros for missing gradients. At most two buckets are in flight:
+the extra memory is bounded by two buckets, not a second copy of all gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+FIRST_BUCKET_BYTES = 2**20  # as DDP: the first gradients can leave early
+BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: few collectives, bounded extra memory
+MIN_BUCKETS = 8  # a small model is still split, so that all but its last bucket overlap backward
+MAX_IN_FLIGHT = 2
+
+
+def bucket_plan(sizes: list[int], dtypes: list[torch.dtype]) -> list[list[int]]:
+    """Parameter indices grouped into buckets, in the order given (the order gradients arrive).
+    A bucket closes at its byte cap or where the dtype changes (one flat tensor per bucket).
+    The cap is DDP's, or an eighth of the total for a model smaller than eight of them."""
+    total = sum(sizes)
+    cap = min(BUCKET_BYTES, max(FIRST_BUCKET_BYTES, total // MIN_BUCKETS))
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        if current and dtype != dtypes[current[-1]]:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+        if filled >= (FIRST_BUCKET_BYTES if not buckets else cap):
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _all_reduce_async(flat: torch.Tensor):
+    return dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+
+
+class _Buckets:
+    """One backward's worth of bucket bookkeeping (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], all_reduce: Callable) -> None:
+        order = params[::-1]
+        self.buckets = [
+            [order[i] for i in bucket]
+            for bucket in bucket_plan([p.numel() * p.element_size() for p in order], [p.dtype for p in order])
+        ]
+        self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self.waiting = [len(bucket) for bucket in self.buckets]
+        self.all_reduce = all_reduce
+        self.launched = 0
+        self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
+
+    def ready(self, param: nn.Parameter) -> None:
+        """Post-accumulate hook: `param`'s gradient is final for this step."""
+        self.waiting[self.bucket_of[id(param)]] -= 1
+        while self.launched < len(self.buckets) and self.waiting[self.launched] == 0:
+            self.launch()
+
+    def launch(self) -> None:
+        bucket = self.buckets[self.launched]
+        self.launched += 1
+        for p in bucket:
+            if p.grad is None:  # no gradient on this rank this step: it adds nothing
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.in_flight.append((grads, flat, self.all_reduce(flat)))
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self.land()
+
+    def land(self) -> None:
+        """Wait for the oldest bucket in flight and copy its sums back into the gradients."""
+        grads, flat, work = self.in_flight.pop(0)
+        if work is not None:
+            work.wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def finish(self) -> None:
+        while self.launched < len(self.buckets):
+            self.launch()
+        while self.in_flight:
+            self.land()
+
+
+@contextlib.contextmanager
+def summed_over_ranks(model: nn.Module, all_reduce: Callable | None = None) -> Iterator[None]:
+    """Around the step's last backward: on exit, every rank holds the sum over ranks of the
+    accumulated gradients. `all_reduce(flat)` launches the collective and returns what to wait
+    on (or None); the memory estimate passes one that does nothing, for fake tensors."""
+    if all_reduce is None:
+        if dist.get_world_size() == 1:
+            yield
+            return
+        all_reduce = _all_reduce_async
+    params = [p for p in model.parameters() if p.requires_grad]
+    buckets = _Buckets(params, all_reduce)
+    hooks = [p.register_post_accumulate_grad_hook(buckets.ready) for p in params]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    buckets.finish()
