@@ -49,7 +49,7 @@ bench-overhead: setup
 bench-peers: setup
 	bash bench/peers.sh
 
-# Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~2 min).
+# Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~6 min).
 bench-memory: setup
 	$(BIN)/python bench/memory.py
 

@@ -67,12 +67,19 @@ class _Buckets:
         ]
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self.waiting = [len(bucket) for bucket in self.buckets]
+        self.arrived: set[int] = set()
         self.all_reduce = all_reduce
         self.launched = 0
         self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
 
     def ready(self, param: nn.Parameter) -> None:
         """Post-accumulate hook: `param`'s gradient is final for this step."""
+        if id(param) in self.arrived:  # its bucket may have left already: a second part would be lost
+            raise RuntimeError(
+                "a gradient was accumulated twice in the step's last backward (reentrant activation "
+                "checkpointing?); the overlapped reduction needs each parameter's gradient once"
+            )
+        self.arrived.add(id(param))
         self.waiting[self.bucket_of[id(param)]] -= 1
         while self.launched < len(self.buckets) and self.waiting[self.launched] == 0:
             self.launch()

@@ -2,7 +2,8 @@
 
 Workload (issue 11): Llama, vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads,
 untied (45M parameters, 16 B each of training state: 727 MB), fp32, seq 128, G=8, m=2,
-2 gloo ranks, 3 optimizer steps of AdamW. Contestants, run one after the other:
+2 gloo ranks, 3 optimizer steps of AdamW. Contestants, alternating, REPS rounds (default 3: DDP's
+own peak moves by 100 MiB from run to run); the table gives each one's median and range:
 
 - `ddp`: Accelerate's documented `accumulate()` loop (Accelerator(cpu=True), which wraps the
   model in torch DDP; no_sync on all but the last microbatch), the loop a user writes instead;
@@ -10,23 +11,27 @@ untied (45M parameters, 16 B each of training state: 727 MB), fp32, seq 128, G=8
 
 Per contestant and rank: VmHWM (the peak resident set) at the end of training (before accum-train
 writes final/, which the DDP loop does not do), and the RSS just before the
-model is built (the libraries: torch, transformers, accelerate), so the table shows the whole
+model is built (the libraries: torch, transformers and the model's own module, accelerate), so the table shows the whole
 peak and the part above that floor, which is what the training costs.
 
-    .venv/bin/python bench/memory.py          # about 2 minutes on 2 cores
+    .venv/bin/python bench/memory.py          # about 6 minutes on 2 cores (--reps 1: 2 minutes)
 
 A benchmark, not a test: it exits 0 whatever the ratios are, non-zero only on a crash.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from speed import finish  # bench/ is this script's own folder
 
 HERE = Path(__file__).resolve().parent
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, SEQ, G, M, W, STEPS = 32000, 512, 1376, 4, 8, 128, 8, 2, 2, 3
@@ -75,6 +80,8 @@ def ddp(model_dir: str, data: str) -> None:
     from transformers import AutoModelForCausalLM
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=G // (M * W))
+    import transformers.models.llama.modeling_llama  # noqa: F401  (in accum-train's floor too: ~117 MiB)
+
     floor = rss_mib("VmRSS")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -90,6 +97,7 @@ def ddp(model_dir: str, data: str) -> None:
             optimizer.zero_grad()
     report("ddp (Accelerate accumulate)", floor, rss_mib("VmHWM"))
     accelerator.end_training()
+    finish()  # past gloo's exit crash, as bench/speed.py's peers
 
 
 def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
@@ -119,7 +127,7 @@ def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
     out = Path(data).parent / name.replace(" ", "-")  # the same folder on every rank
     sys.argv = ["accum-train", "--model", model_dir, "--dataset", data, "--seq-len", str(SEQ), "--global-batch", str(G),
                 "--micro-batch", str(M), "--max-steps", str(STEPS), "--lr", "1e-4", "--weight-decay", "0",
-                "--output-dir", str(out), "--log-every", "100", *flags]  # fmt: skip
+                "--output-dir", str(out), "--overwrite", "--log-every", "100", *flags]  # fmt: skip
     exit_process = cli.exit_process
 
     def exit_with_report(code: int) -> None:
@@ -153,29 +161,42 @@ def main() -> None:
         else:
             accum_train(*rest)
         return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "3")))
+    args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", BENCH_MEMORY_ROLE="rank",
                PYTHONPATH=f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
     torchrun = Path(sys.executable).with_name("torchrun")
-    results = []
+    peaks: dict[str, list[float]] = {}  # per contestant and round: the larger rank's peak
+    above: dict[str, list[float]] = {}  # and the larger rank's peak above its floor
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = write_workload(Path(tmp))
-        for key, (kind, *args) in CONTESTANTS.items():
-            cmd = [str(torchrun), f"--nproc_per_node={W}", f"--master_port={free_port()}", __file__,
-                   kind, str(model_dir), str(data), *args]  # fmt: skip
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if done.returncode != 0 or line is None:
-                sys.exit(f"{key} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-            results.append(json.loads(line[len("RESULT ") :]))
+        for rep in range(args.reps):
+            for key, (kind, *flags) in CONTESTANTS.items():  # alternating, as bench/speed.py does
+                cmd = [str(torchrun), f"--nproc_per_node={W}", f"--master_port={free_port()}", __file__,
+                       kind, str(model_dir), str(data), *flags]  # fmt: skip
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if done.returncode != 0 or line is None:
+                    sys.exit(f"{key} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+                result = json.loads(line[len("RESULT ") :])
+                name = result["name"]
+                peaks.setdefault(name, []).append(max(r["peak"] for r in result["ranks"]))
+                above.setdefault(name, []).append(max(r["peak"] - r["floor"] for r in result["ranks"]))
+                print(f"rep {rep + 1}/{args.reps}  {name:<32} peak {peaks[name][-1]:6.0f} MiB", flush=True)
     n_params = 2 * VOCAB * HIDDEN + LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN) + HIDDEN
-    print(f"Llama vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, untied: {n_params / 1e6:.1f}M parameters "
-          f"({16 * n_params / 2**20:.0f} MiB of fp32 training state); seq {SEQ}, G={G}, m={M}, {W} gloo ranks")  # fmt: skip
-    base = max(r["peak"] for r in results[0]["ranks"]), max(r["peak"] - r["floor"] for r in results[0]["ranks"])
-    print(f"{'contestant':32} {'peak MiB (max rank)':>20} {'vs ddp':>7} {'above floor':>12} {'vs ddp':>7}")
-    for r in results:
-        peak = max(x["peak"] for x in r["ranks"])
-        above = max(x["peak"] - x["floor"] for x in r["ranks"])
-        print(f"{r['name']:32} {peak:20.0f} {peak / base[0]:7.2f} {above:12.0f} {above / base[1]:7.2f}")
+    print(f"\nLlama vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, untied: {n_params / 1e6:.1f}M parameters "
+          f"({16 * n_params / 2**20:.0f} MiB of fp32 training state); seq {SEQ}, G={G}, m={M}, {W} gloo ranks; "
+          f"medians of {args.reps} rounds")  # fmt: skip
+    print(
+        f"{'contestant':32} {'peak MiB (max rank)':>20} {'min-max':>11} {'vs ddp':>7} {'above floor':>12} {'vs ddp':>7}"
+    )
+    ddp_name = next(iter(peaks))
+    base, base_above = statistics.median(peaks[ddp_name]), statistics.median(above[ddp_name])
+    for name in peaks:
+        peak, over = statistics.median(peaks[name]), statistics.median(above[name])
+        spread = f"{min(peaks[name]):.0f}-{max(peaks[name]):.0f}"
+        print(f"{name:32} {peak:20.0f} {spread:>11} {peak / base:7.2f} {over:12.0f} {over / base_above:7.2f}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ timed optimizer steps. Contestants, each launched by torchrun on 2 ranks, OMP_NU
 - `trainer`: `transformers.Trainer`, everything at its defaults but what makes it this workload
   (constant rate, `adamw_torch`, weight decay 0, sequential sampling).
 
-A run's figure is the median over its timed steps of global tokens per second (each step timed
-on rank 0 from its start to the end of its optimizer step, data reading included; accum-train's
-own metrics.jsonl times the same). The contestants alternate, REPS rounds; the table gives each
+A run's figure is the median over its timed steps of global tokens per second, each step timed
+on rank 0 from the end of the step before to the end of its own optimizer step: data reading,
+logging and anything else between steps included (accum-train's from the `elapsed_s` its
+metrics.jsonl records at the end of each step). The contestants alternate, REPS rounds; the table gives each
 one's median over the rounds, its range, and the ratio to the best peer (accelerate or trainer).
 
     make bench                                    # REPS=3, about 6 minutes on 2 idle cores
@@ -75,6 +76,20 @@ def report(step_seconds: list[float]) -> None:
         print("RESULT " + json.dumps({"tokens_per_s": rates}), flush=True)
 
 
+def finish() -> None:
+    """End a peer's rank without interpreter finalization: a gloo worker thread that drops its last
+    Work during it aborts the process (or hangs it) after the result was printed (../shared/peers
+    README, "the gloo exit crash"); nothing useful happens after the report anyway."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # Accelerate's end_training() has destroyed it already
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def accelerate_loop(model_dir: str, data: str) -> None:
     """Accelerate's documented gradient-accumulation loop; each rank reads its share of each step."""
     import torch
@@ -99,6 +114,7 @@ def accelerate_loop(model_dir: str, data: str) -> None:
             started = time.perf_counter()
     report(seconds)
     accelerator.end_training()
+    finish()
 
 
 def trainer(model_dir: str, data: str) -> None:
@@ -127,6 +143,7 @@ def trainer(model_dir: str, data: str) -> None:
     )  # fmt: skip
     Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Clock()]).train()
     report([b - a for a, b in zip(ends, ends[1:], strict=False)])
+    finish()
 
 
 def accum_train_flags(model_dir: Path, data: Path, out: Path) -> list[str]:
@@ -168,8 +185,9 @@ def run(name: str, model_dir: Path, data: Path, tmp: Path, env: dict) -> list[fl
     if isinstance(what, str):
         line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
         return json.loads(line[len("RESULT ") :])["tokens_per_s"]
-    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m and m["step"] > WARMUP]
+    # Step to step, as the peers are timed: the work between two steps (metrics, the stop check) counts too.
+    elapsed = {m["step"]: m["elapsed_s"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return [G * SEQ / (elapsed[step] - elapsed[step - 1]) for step in range(WARMUP + 1, STEPS + 1)]
 
 
 def main() -> None:

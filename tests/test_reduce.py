@@ -93,6 +93,14 @@ def test_a_failed_backward_leaves_no_hook_behind():
     assert not launched
 
 
+def test_a_gradient_accumulated_twice_in_the_last_backward_is_refused_not_half_summed():
+    model = Tiny()
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="accumulated twice"), reduce.summed_over_ranks(model, lambda flat: None):
+        model(x).backward()
+        model(x).backward()
+
+
 @pytest.mark.distributed
 def test_two_gloo_ranks_sum_exactly_and_launch_the_same_buckets_in_order_during_backward(tmp_path):
     out = tmp_path / "reduce.json"
