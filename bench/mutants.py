@@ -283,6 +283,8 @@ MUTANTS = [
     Mutant("reduce: buckets in flight unbounded", "accum_cli/reduce.py",
            "        if len(self.in_flight) > MAX_IN_FLIGHT:\n", "        if False:\n",
            ("tests/test_reduce.py", "-k", "in_flight")),
+    Mutant("reduce: a gradient accumulated twice in the last backward goes unnoticed", "accum_cli/reduce.py",
+           "        if id(param) in self.arrived:", "        if False:", ("tests/test_reduce.py", "-k", "twice")),
     Mutant("reduce: buckets in the parameters' order, not the gradients'", "accum_cli/reduce.py",
            "        order = params[::-1]\n", "        order = params\n", ("tests/test_reduce.py", "-k", "gloo")),
     Mutant("layout: auto replicates whatever the estimate says", "accum_cli/layout.py",
