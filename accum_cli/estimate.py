@@ -30,7 +30,7 @@ from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 3  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 4  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 
@@ -364,8 +364,8 @@ def _fake_model(query: Query, fake_mode):
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from accum_cli import kernels, optim
     from accum_cli import model as modeling
-    from accum_cli import optim
     from accum_cli.config import TrainConfig
     from accum_cli.runtime import Runtime
     from accum_cli.sharding import ShardSettings
@@ -377,6 +377,7 @@ def _fake_model(query: Query, fake_mode):
         with fake_mode:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
             model.train()
+            kernels.fuse_rms_norms(model)  # as model.build_replicated does
             if query.activation_checkpointing:  # as model.build_replicated does
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 # API with a private home, imported in this one place (an upgrade that moves it fails at import).
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from accum_cli import moe, outdir
+from accum_cli import kernels, moe, outdir
 from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
@@ -352,8 +352,10 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
     if settings.compile:  # before fully_shard: its hooks then wrap the compiled forward, eager
         compile_layers(model)
-    elif settings.compile_auto:
-        prepare_compile(model)
+    else:  # compiled from the start, the layers fuse the norm's ops themselves
+        kernels.fuse_rms_norms(model)
+        if settings.compile_auto:
+            prepare_compile(model)
     if settings.activation_checkpointing:
         # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -443,8 +445,10 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
     model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
     if settings.compile:
         compile_layers(model)
-    elif settings.compile_auto:
-        prepare_compile(model)
+    else:
+        kernels.fuse_rms_norms(model)
+        if settings.compile_auto:
+            prepare_compile(model)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

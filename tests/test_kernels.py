@@ -1,0 +1,83 @@
+"""The closed-form RMSNorm (accum_cli/kernels.py): what the model's own norm computes, swapped in only
+where a probe shows it, and the whole model's training unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import rel_err
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from accum_cli import kernels
+
+
+def norm_and_grads(forward, x, weight, g):
+    x = x.clone().requires_grad_(True)
+    weight.grad = None
+    y = forward(x)
+    y.backward(g)
+    return y.detach(), x.grad, weight.grad.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_closed_form_gives_the_llama_norm_and_its_gradients(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    nn.init.normal_(norm.weight, 1.0, 0.3)
+    x, g = torch.randn(3, 7, 64, dtype=dtype) * 4, torch.randn(3, 7, 64, dtype=dtype)
+    theirs = norm_and_grads(norm, x, norm.weight, g)
+    ours = norm_and_grads(lambda t: kernels._RMSNormFunction.apply(t, norm.weight, 1e-5), x, norm.weight, g)
+    assert torch.equal(ours[0], theirs[0])  # the same ops in the same order: bit for bit
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the chain rule's roundings differ
+    for a, b in zip(ours[1:], theirs[1:], strict=True):
+        assert a.dtype == b.dtype and rel_err(a.float(), b.float()) < tolerance
+
+
+class MeanCentred(nn.Module):
+    """Shaped like an RMSNorm (a 1-D weight, an eps) but a layer norm without bias."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class CastsLate(LlamaRMSNorm):
+    """The Llama norm in fp32, but in bf16 it multiplies by the weight before casting back."""
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * x32).to(x.dtype)
+
+
+def test_only_norms_that_compute_the_same_are_swapped():
+    norms = {"llama": LlamaRMSNorm(8), "gemma": GemmaRMSNorm(8), "centred": MeanCentred(8), "late": CastsLate(8)}
+    model = nn.ModuleDict(norms)
+    assert kernels.fuse_rms_norms(model) == 1
+    assert [name for name, norm in norms.items() if "forward" in vars(norm)] == ["llama"]
+
+
+def test_a_llama_with_swapped_norms_trains_the_same():
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    fused = copy.deepcopy(plain)
+    assert kernels.fuse_rms_norms(fused) == 2 * config.num_hidden_layers + 1
+    ids = torch.randint(0, 128, (2, 16))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (plain, fused)]
+    for loss in losses:
+        loss.backward()
+    assert rel_err(losses[1].detach(), losses[0].detach()) < 1e-6
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert rel_err(q.grad, p.grad) < 1e-5, name
