@@ -9,7 +9,7 @@ No architecture list decides where it applies: a module qualifies when it has a 
 an epsilon attribute, and on a probe input (random weight and input, fp32) its own forward and
 backward give the same output and gradients as ours, to 1e-6 relative. A norm that computes
 anything else (Gemma's `1 + weight`, a norm with a bias or over another axis) fails the probe and
-keeps its own forward. Each class is probed once per process.
+keeps its own forward. Each class is probed once per process and setting of its instances.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 PROBE_TOLERANCE = 1e-6  # fp32 reassociation only: the closed-form backward sums in another order
-_verdicts: dict[type, bool] = {}
+_verdicts: dict[tuple, bool] = {}  # by _kind
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -124,16 +124,27 @@ class _Probe:
         return getattr(self._module, name)
 
 
+def _kind(module: nn.Module) -> tuple:
+    """What a verdict holds for: the class and the plain settings of the instance, since one class
+    can switch its formula on a flag (an offset weight, a cast) from instance to instance."""
+    settings = tuple(
+        sorted(
+            (k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, bool | int | float | str)
+        )
+    )
+    return type(module), settings
+
+
 def fuse_rms_norms(model: nn.Module) -> int:
     """Swap the closed-form RMSNorm into every module whose class passes the probe; how many."""
     swapped = 0
     for module in model.modules():
         if not _shaped_like_rms_norm(module):
             continue
-        cls = type(module)
-        if cls not in _verdicts:
-            _verdicts[cls] = _agrees(module)
-        if _verdicts[cls]:
+        kind = _kind(module)
+        if kind not in _verdicts:
+            _verdicts[kind] = _agrees(module)
+        if _verdicts[kind]:
             module.forward = types.MethodType(_rms_norm_forward, module)
             swapped += 1
     return swapped

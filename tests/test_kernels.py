@@ -67,6 +67,25 @@ def test_only_norms_that_compute_the_same_are_swapped():
     assert [name for name, norm in norms.items() if "forward" in vars(norm)] == ["llama"]
 
 
+class Switchable(LlamaRMSNorm):
+    """One class, two formulas: the instance's flag decides (as an offset-weight option would)."""
+
+    def __init__(self, width: int, offset: bool) -> None:
+        super().__init__(width)
+        self.offset = offset
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((1.0 + self.weight) if self.offset else self.weight) * x32.to(x.dtype)
+
+
+def test_a_verdict_holds_for_one_setting_of_a_class_not_for_its_other_instances():
+    model = nn.ModuleList([Switchable(8, offset=False), Switchable(8, offset=True)])
+    assert kernels.fuse_rms_norms(model) == 1
+    assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
+
+
 def test_a_llama_with_swapped_norms_trains_the_same():
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
