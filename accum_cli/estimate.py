@@ -278,14 +278,11 @@ def tracked_step(
         tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
         tracker.track_inputs(inputs)
     with tracker:
-        fake = is_fake(next(model.parameters()))
+        # Fake tensors cannot meet a real collective: the estimate leaves it out, not its buffers.
+        all_reduce = (lambda flat: None) if is_fake(next(model.parameters())) else None
         for index, mb in enumerate(microbatches):
             is_last = index == len(microbatches) - 1
-            # Fake tensors cannot meet a real collective: the estimate leaves it out, not its buffers.
-            reducing = (
-                summed_over_ranks(model, (lambda flat: None) if fake else None) if replicated and is_last else None
-            )
-            with reducing or contextlib.nullcontext():
+            with summed_over_ranks(model, all_reduce) if replicated and is_last else contextlib.nullcontext():
                 microbatch_backward(model, mb, sync, is_last, loss_tokens, device)
             if not replicated:
                 _label_accumulated_gradients(tracker, model)

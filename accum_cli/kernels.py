@@ -6,8 +6,9 @@ this CPU a Llama norm's forward and backward took 2.3 ms against 1.6 for the clo
 eager runs that compiling would not pay for.
 
 No architecture list decides where it applies: a module qualifies when it has a 1-D `weight` and
-an epsilon attribute, and on a probe input (random weight and input, fp32) its own forward and
-backward give the same output and gradients as ours, to 1e-6 relative. A norm that computes
+an epsilon attribute, and on a probe input (random weight and input) its own forward and
+backward give the same output and gradients as ours in fp32, to 1e-6 relative, and the same
+output bit for bit in bf16. A norm that computes
 anything else (Gemma's `1 + weight`, a norm with a bias or over another axis) fails the probe and
 keeps its own forward. Each class is probed once per process and setting of its instances.
 """
@@ -71,8 +72,8 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _agrees(module: nn.Module) -> bool:
-    """Probe the module's class: its own forward and backward against ours, on real fp32 tensors
-    (also while the memory estimate builds its model in FakeTensorMode)."""
+    """Probe the module's kind: its own forward and backward against ours, on real tensors (also
+    while the memory estimate builds its model in FakeTensorMode)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
