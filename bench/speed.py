@@ -15,7 +15,11 @@ A run's figure is the median over its timed steps of global tokens per second, e
 on rank 0 from the end of the step before to the end of its own optimizer step: data reading,
 logging and anything else between steps included (accum-train's from the `elapsed_s` its
 metrics.jsonl records at the end of each step). The contestants alternate, REPS rounds; the table gives each
-one's median over the rounds, its range, and the ratio to the best peer (accelerate or trainer).
+one's median over the rounds, its range, and its ratio to the best peer (accelerate or trainer) taken
+within each round, as the median and range of those per-round ratios: a contestant and the peers of one
+round ran minutes apart on the same machine, so a slow spell of the machine (which moves every
+contestant's tokens/s by several percent here) cancels out of the ratio. The header names the machine
+(CPU model, cores): the ratios differ from one CPU to another.
 
     make bench                                    # REPS=3, about 6 minutes on 2 idle cores
     .venv/bin/python bench/speed.py --reps 1 --only accum-train accelerate
@@ -211,15 +215,38 @@ def main() -> None:
                 )
                 runs[name].append(statistics.median(rates))
                 print(f"rep {rep + 1}/{args.reps}  {name:<22} {runs[name][-1]:8.0f} tokens/s", flush=True)
-    medians = {name: statistics.median(v) for name, v in runs.items()}
-    best = max((medians[p] for p in PEERS if p in medians), default=None)
+    ratios = round_ratios(runs)
     print(f"\nLlama 4 x {HIDDEN}, vocab {VOCAB}, fp32, seq {SEQ}, G={G}, m={M}, {W} gloo ranks; median of steps "
-          f"{WARMUP + 1}-{STEPS}, {args.reps} rounds alternating")  # fmt: skip
-    print(f"{'contestant':<24} {'tokens/s':>9} {'min-max':>15} {'vs best peer':>13}")
-    for name, value in medians.items():
-        ratio = f"{value / best:.2f}x" if best else "-"
-        spread = f"{min(runs[name]):.0f}-{max(runs[name]):.0f}"
-        print(f"{name:<24} {value:9.0f} {spread:>15} {ratio:>13}")
+          f"{WARMUP + 1}-{STEPS}, {args.reps} rounds alternating; {machine()}")  # fmt: skip
+    print(f"{'contestant':<24} {'tokens/s':>9} {'min-max':>15} {'vs best peer':>13} {'min-max':>11}")
+    for name, rates in runs.items():
+        spread = f"{min(rates):.0f}-{max(rates):.0f}"
+        if name in ratios:
+            ratio = f"{statistics.median(ratios[name]):.2f}x"
+            ratio_spread = f"{min(ratios[name]):.2f}-{max(ratios[name]):.2f}"
+        else:
+            ratio, ratio_spread = "-", "-"
+        print(f"{name:<24} {statistics.median(rates):9.0f} {spread:>15} {ratio:>13} {ratio_spread:>11}")
+
+
+def round_ratios(runs: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each contestant's tokens/s over the best peer's of the same round; empty without a peer."""
+    peers = [runs[p] for p in PEERS if p in runs]
+    if not peers:
+        return {}
+    best = [max(round_rates) for round_rates in zip(*peers, strict=True)]
+    return {name: [rate / b for rate, b in zip(rates, best, strict=True)] for name, rates in runs.items()}
+
+
+def machine() -> str:
+    import torch
+
+    model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        "unknown CPU",
+    ) if Path("/proc/cpuinfo").exists() else "unknown CPU"  # fmt: skip
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
