@@ -10,7 +10,10 @@ backward goes on with the layers below.
 Every rank must issue the same collectives in the same order, whatever its timing, so buckets
 are launched strictly in order, and a bucket whose parameter saw no gradient on this rank in the
 last microbatch (an expert no token was routed to, an unused head) waits for the end of backward,
-where the rest are launched with zeros for missing gradients. At most two buckets are in flight:
+where the rest are launched with zeros for missing gradients. Each bucket also carries one flag
+per parameter (1 where this rank had a gradient), summed with it: a parameter no rank had a
+gradient for gets none (`grad=None`, as in one process), not zeros, so the optimizer leaves it
+alone instead of moving it by its momentum and weight decay. At most two buckets are in flight:
 the extra memory is bounded by two buckets, not a second copy of all gradients.
 """
 
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 FIRST_BUCKET_BYTES = 2**20  # as DDP: the first gradients can leave early
 BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: few collectives, bounded extra memory
@@ -70,7 +74,7 @@ class _Buckets:
         self.arrived: set[int] = set()
         self.all_reduce = all_reduce
         self.launched = 0
-        self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, object]] = []
+        self.in_flight: list[tuple[list[nn.Parameter], torch.Tensor, object, list[int]]] = []
 
     def ready(self, param: nn.Parameter) -> None:
         """Post-accumulate hook: `param`'s gradient is final for this step."""
@@ -87,24 +91,33 @@ class _Buckets:
     def launch(self) -> None:
         bucket = self.buckets[self.launched]
         self.launched += 1
-        for p in bucket:
-            if p.grad is None:  # no gradient on this rank this step: it adds nothing
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.in_flight.append((grads, flat, self.all_reduce(flat)))
+        missing = [i for i, p in enumerate(bucket) if p.grad is None]
+        for i in missing:  # no gradient on this rank this step: it adds nothing
+            bucket[i].grad = torch.zeros_like(bucket[i])
+        flags = torch.ones(len(bucket), dtype=bucket[0].grad.dtype, device=bucket[0].grad.device)
+        flags[missing] = 0
+        flat = torch.cat([*(p.grad.reshape(-1) for p in bucket), flags])
+        self.in_flight.append((bucket, flat, self.all_reduce(flat), missing))
         if len(self.in_flight) > MAX_IN_FLIGHT:
             self.land()
 
     def land(self) -> None:
         """Wait for the oldest bucket in flight and copy its sums back into the gradients."""
-        grads, flat, work = self.in_flight.pop(0)
+        bucket, flat, work, missing = self.in_flight.pop(0)
         if work is not None:
             work.wait()
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in bucket:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        # Only a parameter this rank had no gradient for can have had none anywhere: reading the
+        # flags (a device sync on a GPU) is left to the rare bucket that holds one. The memory
+        # estimate's fake tensors hold no values to read.
+        if missing and not is_fake(flat):
+            ranks_with_grad = flat[offset:].tolist()
+            for i in missing:
+                if ranks_with_grad[i] == 0:
+                    bucket[i].grad = None
 
     def finish(self) -> None:
         while self.launched < len(self.buckets):

@@ -5,8 +5,9 @@ Usage: torchrun --nproc_per_node=2 tests/reduce_probe.py OUT_JSON
 
 A chain of small linear layers, with buckets shrunk so each layer is about one, and the cases
 that make ranks differ: a layer only rank 0 uses in the last microbatch (its bucket waits for
-the end of backward there, not on rank 1), a layer no rank uses in the last microbatch but both
-used before, a layer nobody ever uses (no gradient at all), and a float64 parameter (a bucket
+the end of backward there, not on rank 1, which has no gradient for it at all), a layer no rank
+uses in the last microbatch but both used before, a layer nobody ever uses (no gradient on any
+rank: it must keep none), and a float64 parameter (a bucket
 of its own dtype). Two microbatches are accumulated, the last inside `summed_over_ranks`; the
 reference accumulates the same on a copy and sums each gradient with its own all-reduce.
 """
@@ -79,13 +80,16 @@ def main() -> None:
 
     for x, last in zip(inputs, (False, True), strict=True):
         reference(x, last=last).backward()
-    errors = {}
+    errors, no_grad = {}, []
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         expected = q.grad.clone() if q.grad is not None else torch.zeros_like(q)
         dist.all_reduce(expected)
+        if p.grad is None:
+            no_grad.append(name)
+            continue
         errors[name] = float((p.grad - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"launches": launches, "arrived_in_last": arrived_in_last, "errors": errors}, f)
+        json.dump({"launches": launches, "arrived_in_last": arrived_in_last, "errors": errors, "no_grad": no_grad}, f)
     dist.destroy_process_group()
 
 
