@@ -5,16 +5,19 @@ this CPU a Llama norm's forward and backward took 2.3 ms against 1.6 for the clo
 (nine norms per microbatch of a 4-layer model). `torch.compile` fuses them anyway; this is for the
 eager runs that compiling would not pay for.
 
-No architecture list decides where it applies: a module qualifies when it has a 1-D `weight` and
-an epsilon attribute, and on a probe input (random weight and input) its own forward and
-backward give the same output and gradients as ours in fp32, to 1e-6 relative, and the same
-output bit for bit in bf16. A norm that computes
-anything else (Gemma's `1 + weight`, a norm with a bias or over another axis) fails the probe and
-keeps its own forward. Each class is probed once per process and setting of its instances.
+No architecture list decides where it applies: a module qualifies when it has a 1-D `weight`, an
+epsilon attribute and a forward of the hidden states alone, and on probe inputs (random weight;
+rows of the usual size and rows as small as the epsilon) its own forward and backward give the
+same output and gradients as ours in fp32, to 1e-6 relative, and the same output bit for bit in
+bf16. A norm that computes anything else (Gemma's `1 + weight`, a norm with a bias or over
+another axis, the epsilon added to the RMS) fails the probe, and one with more inputs (Mamba2's
+gated norm) is not probed: both keep their own forward. Each class is probed once per process
+and setting of its instances.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -43,7 +46,7 @@ class _RMSNormFunction(torch.autograd.Function):
         g = grad.float()
         gw = g * weight.float()
         grad_x = r * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
-        grad_w = (g * x_hat).sum(dim=tuple(range(g.dim() - 1)))
+        grad_w = (g * x_hat).reshape(-1, g.shape[-1]).sum(0)  # over every row, also of a 1-D input
         return grad_x.to(ctx.input_dtype), grad_w.to(weight.dtype), None
 
 
@@ -64,7 +67,18 @@ def _shaped_like_rms_norm(module: nn.Module) -> bool:
         and list(own) == ["weight"]
         and not list(module.children())
         and _eps(module) is not None
+        and _takes_one_input(type(module).forward)
     )
+
+
+def _takes_one_input(forward) -> bool:
+    """Called with the hidden states alone, as the swapped forward is: a norm with more inputs
+    (Mamba2's gated norm, `forward(x, gate=None)`, is an RMSNorm when the gate is None) keeps its own."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -88,14 +102,20 @@ def _agrees_on_real_tensors(module: nn.Module) -> bool:
     weight = torch.randn(width, generator=generator) + 1.0
     x = torch.randn(2, 3, width, generator=generator) * 3
     g = torch.randn(2, 3, width, generator=generator)
+    # Rows as small as the epsilon too: there `x / (rms + eps)` and `x * rsqrt(ms + eps)` part.
+    eps = _eps(module)
+    tiny = x * (eps**0.5 / 3 if eps > 0 else 1e-3)
     try:
-        theirs = _outputs(type(module).forward, _Probe(module, weight), x, g)
-        ours = _outputs(_rms_norm_forward, _Probe(module, weight), x, g)
+        agree = True
+        for probe_x in (x, tiny):
+            theirs = _outputs(type(module).forward, _Probe(module, weight), probe_x, g)
+            ours = _outputs(_rms_norm_forward, _Probe(module, weight), probe_x, g)
+            agree &= all(_close(a, b) for a, b in zip(ours, theirs, strict=True))
         theirs16 = type(module).forward(_Probe(module, weight.bfloat16()), x.bfloat16())
         ours16 = _rms_norm_forward(_Probe(module, weight.bfloat16()), x.bfloat16())
     except Exception:  # a forward that needs more than a weight and an epsilon is not a plain RMSNorm
         return False
-    return torch.equal(ours16, theirs16) and all(_close(a, b) for a, b in zip(ours, theirs, strict=True))
+    return agree and torch.equal(ours16, theirs16)
 
 
 def _outputs(forward, probe, x: torch.Tensor, g: torch.Tensor):
@@ -128,12 +148,16 @@ class _Probe:
 def _kind(module: nn.Module) -> tuple:
     """What a verdict holds for: the class and the plain settings of the instance, since one class
     can switch its formula on a flag (an offset weight, a cast) from instance to instance."""
-    settings = tuple(
-        sorted(
-            (k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, bool | int | float | str)
-        )
-    )
+    settings = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v)))
     return type(module), settings
+
+
+def _plain(value) -> bool:
+    """A setting that can be compared and hashed as it is: a number, a string, a dtype, None, or a
+    tuple of them (what a norm's formula can switch on)."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str | torch.dtype)
 
 
 def fuse_rms_norms(model: nn.Module) -> int:

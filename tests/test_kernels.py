@@ -12,6 +12,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNormGated
 
 from accum_cli import kernels
 
@@ -60,11 +61,41 @@ class CastsLate(LlamaRMSNorm):
         return (self.weight * x32).to(x.dtype)
 
 
+class EpsOnTheRms(nn.Module):
+    """x / (rms + eps): the Llama norm for rows far larger than eps, not for rows near it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)).to(x.dtype)
+
+
 def test_only_norms_that_compute_the_same_are_swapped():
-    norms = {"llama": LlamaRMSNorm(8), "gemma": GemmaRMSNorm(8), "centred": MeanCentred(8), "late": CastsLate(8)}
+    norms = {"llama": LlamaRMSNorm(8), "gemma": GemmaRMSNorm(8), "centred": MeanCentred(8), "late": CastsLate(8),
+             "eps_on_rms": EpsOnTheRms(8),
+             # the Llama formula when its gate is None (one group), but the model passes a gate
+             "gated": Mamba2RMSNormGated(8, group_size=8)}  # fmt: skip
     model = nn.ModuleDict(norms)
     assert kernels.fuse_rms_norms(model) == 1
     assert [name for name, norm in norms.items() if "forward" in vars(norm)] == ["llama"]
+    x = torch.randn(2, 3, 8)
+    assert norms["gated"](x, torch.randn(2, 3, 8)).shape == x.shape  # still called as the model calls it
+
+
+def test_a_swapped_norm_takes_a_one_dimensional_input():
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(8)
+    nn.init.normal_(norm.weight, 1.0, 0.3)
+    x, g = torch.randn(8), torch.randn(8)
+    theirs = norm_and_grads(norm, x, norm.weight, g)
+    assert kernels.fuse_rms_norms(norm) == 1
+    ours = norm_and_grads(norm, x, norm.weight, g)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-6
 
 
 class Switchable(LlamaRMSNorm):
@@ -80,8 +111,24 @@ class Switchable(LlamaRMSNorm):
         return ((1.0 + self.weight) if self.offset else self.weight) * x32.to(x.dtype)
 
 
+class CastsTo(LlamaRMSNorm):
+    """One class whose setting is a dtype: fp32 keeps the Llama formula, fp16 rounds the output."""
+
+    def __init__(self, width: int, cast_to: torch.dtype) -> None:
+        super().__init__(width)
+        self.cast_to = cast_to
+
+    def forward(self, x):
+        x32 = x.float()
+        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        return y.to(self.cast_to).to(y.dtype)
+
+
 def test_a_verdict_holds_for_one_setting_of_a_class_not_for_its_other_instances():
     model = nn.ModuleList([Switchable(8, offset=False), Switchable(8, offset=True)])
+    assert kernels.fuse_rms_norms(model) == 1
+    assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
+    model = nn.ModuleList([CastsTo(8, torch.float32), CastsTo(8, torch.float16)])
     assert kernels.fuse_rms_norms(model) == 1
     assert "forward" in vars(model[0]) and "forward" not in vars(model[1])
 
