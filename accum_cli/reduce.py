@@ -95,7 +95,8 @@ class _Buckets:
         for i in missing:  # no gradient on this rank this step: it adds nothing
             bucket[i].grad = torch.zeros_like(bucket[i])
         flags = torch.ones(len(bucket), dtype=bucket[0].grad.dtype, device=bucket[0].grad.device)
-        flags[missing] = 0
+        if missing:
+            flags[missing] = 0
         flat = torch.cat([*(p.grad.reshape(-1) for p in bucket), flags])
         self.in_flight.append((bucket, flat, self.all_reduce(flat), missing))
         if len(self.in_flight) > MAX_IN_FLIGHT:
