@@ -241,11 +241,9 @@ def round_ratios(runs: dict[str, list[float]]) -> dict[str, list[float]]:
 def machine() -> str:
     import torch
 
-    model = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        "unknown CPU",
-    ) if Path("/proc/cpuinfo").exists() else "unknown CPU"  # fmt: skip
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
