@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accum_cli import moe, policy, reduce
+from accum_cli import grad_use, moe, policy, reduce
 from accum_cli.data import Microbatch
 from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
@@ -158,7 +158,13 @@ def train_step(
         mb_losses.append(mb_loss)
         if aux is not None:
             mb_aux.append(aux)
-    ce_sum, aux = all_reduce_sum(torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()])).tolist()
+    # The sharded layout's marks of which parameters had a gradient ride with the loss's sums.
+    use = grad_use.tracker(model)
+    marks = use.take(device) if use is not None else torch.zeros(0, device=device)
+    sums = all_reduce_sum(torch.cat([torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()]), marks]))
+    if use is not None:
+        use.drop_unused(sums[2:])
+    ce_sum, aux = sums[:2].tolist()
     aux_loss = aux if aux_coef else None
     loss = ce_sum / loss_tokens + aux_coef * aux
     max_norm = grad_clip if grad_clip > 0 else math.inf

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 # API with a private home, imported in this one place (an upgrade that moves it fails at import).
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from accum_cli import kernels, moe, outdir
+from accum_cli import grad_use, kernels, moe, outdir
 from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
@@ -376,6 +376,13 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     if head is not None:  # its backward follows its forward at once: resharding between them only re-gathers
         fully_shard(head, **(kwargs | {"reshard_after_forward": False}))
     fully_shard(model, **kwargs)
+    # FSDP2 leaves a parameter without a gradient on this rank (an expert no token of this rank
+    # reached) out of its reduce-scatter, so the ranks' collectives would differ in size: gloo
+    # aborts, NCCL hangs. Zeros in its place keep them alike and add nothing to the sum; one that
+    # no rank had a gradient for gets none back at the step's end (grad_use.py).
+    if hasattr(model, "set_reduce_scatter_unused_params"):  # torch >= 2.9
+        model.set_reduce_scatter_unused_params(True)
+    grad_use.track(model)
     # The root's outputs (logits, router loss) are read only by our loss code, which never changes
     # them in place, so a view among them (Doge's) cannot drop FSDP2's pre-backward hook.
     root_view_warning = f"FSDP2-wrapped module ({type(model).__name__}) returned a view tensor"

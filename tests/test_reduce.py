@@ -1,4 +1,4 @@
-"""The replicated layout's gradient sum over ranks (accum_cli/reduce.py): exact, launched during
+"""The gradient sum over ranks: the replicated layout's (accum_cli/reduce.py) exact, launched during
 the last backward, in the same order on every rank, with bounded extra memory."""
 
 from __future__ import annotations
@@ -123,3 +123,26 @@ def test_two_gloo_ranks_sum_exactly_and_launch_the_same_buckets_in_order_during_
     assert shapes[0] == shapes[1]
     assert ("2", "torch.float64") in {(str(n), d) for n, d in shapes[0]}  # the float64 scalar and its flag
     assert ranks[0]["arrived_in_last"] > ranks[1]["arrived_in_last"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sync", ["every", "last"])
+def test_sharded_ranks_that_use_different_parameters_train_as_one_process(tmp_path, sync):
+    """The sharded layout (FSDP2), two steps of the run's own train_step: a layer only rank 0 uses
+    in the first step (an expert no token of rank 1 reached) and one no rank ever uses. Zeros stand
+    in for a missing gradient, so the ranks' reduce-scatters stay alike (without them gloo aborts
+    the run); a parameter no rank had a gradient for in a step keeps none, so AdamW leaves it
+    alone, as in one process: the unused layer is never decayed, the expert is not moved by its
+    momentum in the second step."""
+    out = tmp_path / "shard.json"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
+           str(REPO / "tests/shard_probe.py"), str(out), sync]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        probe = json.loads(out.with_name(f"shard.json.{rank}").read_text())
+        assert {"layers.1.rare.weight", "layers.0.never.weight", "head.weight"} <= probe["errors"].keys()
+        assert max(probe["errors"].values()) < 1e-6, probe["errors"]
+        assert probe["moved"]["layers.0.never.weight"] == probe["moved"]["layers.0.never.bias"] == 0.0
+        trained = {name: moved for name, moved in probe["moved"].items() if ".never." not in name}
+        assert min(trained.values()) > 1e-3, trained  # every other parameter was

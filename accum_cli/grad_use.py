@@ -1,0 +1,85 @@
+"""The sharded layout's parameters that no rank had a gradient for in a step: their gradient is None.
+
+FSDP2 leaves a parameter this rank has no gradient for (an expert no token of this rank
+reached) out of its reduce-scatter; the ranks' collectives would then differ, so `model.shard`
+has it reduce zeros in its place. A parameter that no rank had a gradient for in the whole step
+would then end it with a zero gradient, and AdamW would move it by its momentum and decay it,
+where in one process (and in the replicated layout, reduce.py) its gradient is None and AdamW
+leaves it alone: an unused module's weights would drift. So a hook on each of FSDP's unsharded
+parameters (the tensors autograd accumulates into) marks what this rank used; the step sums the
+marks over ranks in the all-reduce that sums its loss (no collective of its own), and a
+parameter that no rank marked gets its gradient back to None before the optimizer step.
+
+The unsharded parameters are FSDP2's internals (torch 2.7-2.14 lay them out alike). Where a torch
+lays them out otherwise, nothing is tracked and such a parameter keeps its zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+ATTRIBUTE = "_accum_gradient_use"
+
+
+def _fsdp_params(model: nn.Module) -> list | None:
+    """FSDP2's per-parameter records of every unit, or None where this torch has no such layout."""
+    found = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch < 2.9: one group per unit, or none
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            found.extend(group.fsdp_params)
+    if not all(hasattr(p, "sharded_param") for p in found):
+        return None
+    return found
+
+
+class GradientUse:
+    """This rank's marks for the current step, one per sharded parameter."""
+
+    def __init__(self, model: nn.Module, fsdp_params: list) -> None:
+        self.fsdp_params = fsdp_params
+        self.marks = [False] * len(fsdp_params)
+        self.hooked: set[int] = set()
+        # FSDP creates an unsharded parameter at its unit's first all-gather, inside the forward;
+        # after the root's forward, and before any backward, every unit that ran has one.
+        model.register_forward_hook(lambda module, args, output: self._hook_new())
+
+    def _hook_new(self) -> None:
+        for index, fsdp_param in enumerate(self.fsdp_params):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if index not in self.hooked and unsharded is not None:
+                unsharded.register_post_accumulate_grad_hook(lambda _, index=index: self._mark(index))
+                self.hooked.add(index)
+
+    def _mark(self, index: int) -> None:
+        self.marks[index] = True
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """This step's marks (1.0 where this rank had a gradient), to be summed over ranks; cleared."""
+        marks = torch.tensor(self.marks, dtype=torch.float32, device=device)
+        self.marks = [False] * len(self.fsdp_params)
+        return marks
+
+    def drop_unused(self, summed: torch.Tensor) -> None:
+        """`summed`: the marks summed over ranks. No rank had a gradient: none, as in one process."""
+        for index in (summed == 0).nonzero().flatten().tolist():
+            self.fsdp_params[index].sharded_param.grad = None
+
+
+def track(model: nn.Module) -> None:
+    """Mark, step by step, the sharded parameters this rank had a gradient for (after fully_shard)."""
+    fsdp_params = _fsdp_params(model)
+    if fsdp_params:
+        setattr(model, ATTRIBUTE, GradientUse(model, fsdp_params))
+
+
+def tracker(model: nn.Module) -> GradientUse | None:
+    return getattr(model, ATTRIBUTE, None)
