@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
