@@ -8,7 +8,9 @@ where in one process (and in the replicated layout, reduce.py) its gradient is N
 leaves it alone: an unused module's weights would drift. So a hook on each of FSDP's unsharded
 parameters (the tensors autograd accumulates into) marks what this rank used; the step sums the
 marks over ranks in the all-reduce that sums its loss (no collective of its own), and a
-parameter that no rank marked gets its gradient back to None before the optimizer step.
+parameter that no rank marked gets its gradient back to None before the optimizer step. Under
+mixed precision with gradients accumulated unreduced, those zeros need the dtype of the unit's
+accumulated gradients (`before_last_backward`).
 
 The unsharded parameters are FSDP2's internals (torch 2.7-2.14 lay them out alike). Where a torch
 lays them out otherwise, nothing is tracked and such a parameter keeps its zeros.
@@ -23,8 +25,8 @@ from torch.distributed.fsdp import FSDPModule
 ATTRIBUTE = "_accum_gradient_use"
 
 
-def _fsdp_params(model: nn.Module) -> list | None:
-    """FSDP2's per-parameter records of every unit, or None where this torch has no such layout."""
+def _fsdp_param_groups(model: nn.Module) -> list[list] | None:
+    """FSDP2's per-parameter records, unit by unit, or None where this torch has no such layout."""
     found = []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
@@ -34,9 +36,8 @@ def _fsdp_params(model: nn.Module) -> list | None:
         if groups is None:  # torch < 2.9: one group per unit, or none
             group = getattr(state, "_fsdp_param_group", None)
             groups = [group] if group is not None else []
-        for group in groups:
-            found.extend(group.fsdp_params)
-    if not all(hasattr(p, "sharded_param") for p in found):
+        found.extend(list(group.fsdp_params) for group in groups)
+    if not all(hasattr(p, "sharded_param") for group in found for p in group):
         return None
     return found
 
@@ -44,9 +45,10 @@ def _fsdp_params(model: nn.Module) -> list | None:
 class GradientUse:
     """This rank's marks for the current step, one per sharded parameter."""
 
-    def __init__(self, model: nn.Module, fsdp_params: list) -> None:
-        self.fsdp_params = fsdp_params
-        self.marks = [False] * len(fsdp_params)
+    def __init__(self, model: nn.Module, groups: list[list]) -> None:
+        self.groups = groups
+        self.fsdp_params = [p for group in groups for p in group]
+        self.marks = [False] * len(self.fsdp_params)
         self.hooked: set[int] = set()
         # FSDP creates an unsharded parameter at its unit's first all-gather, inside the forward;
         # after the root's forward, and before any backward, every unit that ran has one.
@@ -55,12 +57,36 @@ class GradientUse:
     def _hook_new(self) -> None:
         for index, fsdp_param in enumerate(self.fsdp_params):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if index not in self.hooked and unsharded is not None:
+            # A frozen parameter has no gradient to mark (and cannot take the hook): it stays 0.
+            if index not in self.hooked and unsharded is not None and unsharded.requires_grad:
                 unsharded.register_post_accumulate_grad_hook(lambda _, index=index: self._mark(index))
                 self.hooked.add(index)
 
     def _mark(self, index: int) -> None:
         self.marks[index] = True
+
+    def before_last_backward(self) -> None:
+        """Mixed precision, gradients accumulated unreduced (`last`, `last-keep-params`): FSDP holds
+        a unit's earlier gradients in its reduce dtype (fp32) and would hand a parameter that has
+        none yet (not used on this rank so far) as a bf16 gradient, or bf16 zeros, beside them; its
+        reduce-scatter refuses mixed dtypes and the rank leaves the collective. An fp32 zero in
+        each such place keeps the unit in one dtype; FSDP adds the last microbatch's gradient to it."""
+        for group in self.groups:
+            held = [
+                p.unsharded_accumulated_grad
+                for p in group
+                if getattr(p, "unsharded_accumulated_grad", None) is not None
+            ]
+            if not held:  # nothing accumulated in this unit (one microbatch, fp32): nothing to match
+                continue
+            for fsdp_param in group:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is None or not unsharded.requires_grad:
+                    continue
+                if fsdp_param.unsharded_accumulated_grad is None and unsharded.grad is None:
+                    fsdp_param.unsharded_accumulated_grad = torch.zeros(
+                        unsharded.shape, dtype=held[0].dtype, device=held[0].device
+                    )
 
     def take(self, device: torch.device) -> torch.Tensor:
         """This step's marks (1.0 where this rank had a gradient), to be summed over ranks; cleared."""
@@ -76,9 +102,9 @@ class GradientUse:
 
 def track(model: nn.Module) -> None:
     """Mark, step by step, the sharded parameters this rank had a gradient for (after fully_shard)."""
-    fsdp_params = _fsdp_params(model)
-    if fsdp_params:
-        setattr(model, ATTRIBUTE, GradientUse(model, fsdp_params))
+    groups = _fsdp_param_groups(model)
+    if groups:
+        setattr(model, ATTRIBUTE, GradientUse(model, groups))
 
 
 def tracker(model: nn.Module) -> GradientUse | None:

@@ -150,16 +150,18 @@ def train_step(
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]
     replicated = not isinstance(model, FSDPModule)  # FSDP2 reduces under the sync policy's flags
+    use = grad_use.tracker(model)  # the sharded layout's marks of which parameters had a gradient
     for index, mb in enumerate(microbatches):
         is_last = index == len(microbatches) - 1
+        if use is not None and is_last and index > 0:
+            use.before_last_backward()
         share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
         with reduce.summed_over_ranks(model) if replicated and is_last else contextlib.nullcontext():
             mb_loss, aux = microbatch_backward(model, mb, sync, is_last, loss_tokens, device, share, router)
         mb_losses.append(mb_loss)
         if aux is not None:
             mb_aux.append(aux)
-    # The sharded layout's marks of which parameters had a gradient ride with the loss's sums.
-    use = grad_use.tracker(model)
+    # The marks ride with the loss's sums: no collective of their own.
     marks = use.take(device) if use is not None else torch.zeros(0, device=device)
     sums = all_reduce_sum(torch.cat([torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()]), marks]))
     if use is not None:

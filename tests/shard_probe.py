@@ -1,16 +1,18 @@
 """The sharded layout (accum_cli/model.py `shard`) when ranks use different parameters, in a real
 gloo run started by torchrun; each rank writes OUT_JSON.RANK.
 
-Usage: torchrun --nproc_per_node=2 tests/shard_probe.py OUT_JSON POLICY
+Usage: torchrun --nproc_per_node=2 tests/shard_probe.py OUT_JSON POLICY [bf16]
 
 A toy causal LM in decoder-layer units, as `shard` makes them, trained two steps by the run's own
 `loop.train_step` (AdamW with weight decay). A `rare` layer (an expert) that only rank 0 uses, in
-the first step only, and a `never` layer that no rank ever uses. FSDP2 leaves a parameter without
+the first step only, and a `never` layer that no rank ever uses, and a frozen parameter. FSDP2 leaves a parameter without
 a gradient out of its reduce-scatter, so without zeros in its place the ranks' collectives differ
 in size and gloo aborts the run; with zeros, a parameter no rank had a gradient for would get a
 zero gradient that AdamW moves (by its momentum, by weight decay), where one process leaves it
 alone. The reference: an unsharded copy on each rank, each gradient summed over ranks by its own
-all-reduce, None where no rank had one, and the same AdamW step.
+all-reduce, None where no rank had one, and the same AdamW step (fp32). With bf16 (parameters in
+bf16, gradients reduced in fp32, as on a GPU), FSDP accumulates a unit's gradients in fp32 between
+microbatches, and the zeros for a parameter a rank did not use must be fp32 too.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ class Toy(nn.Module):
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleList([Block("never"), Block("rare")])
         self.head = nn.Linear(WIDTH, VOCAB)
+        self.frozen = nn.Parameter(torch.full((WIDTH,), 1.5), requires_grad=False)  # as a fixed bias
 
     def forward(self, input_ids, attention_mask=None, use_cache=False):
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) * self.frozen
         use_rare = bool(input_ids[0, 0] == USE_RARE)
         for layer in self.layers:
             x = layer(x, use_rare)
@@ -76,13 +79,15 @@ def step_batches(rank: int, step: int) -> list[Microbatch]:
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
 def reference_step(model: nn.Module, optimizer, batches: list[Microbatch], loss_tokens: int) -> None:
     for mb in batches:
         (token_loss_sum(model(mb.input_ids).logits, mb.labels) / loss_tokens).backward()
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
         had = torch.tensor([float(p.grad is not None)])
         dist.all_reduce(had)
         if had.item() == 0:
@@ -95,21 +100,22 @@ def reference_step(model: nn.Module, optimizer, batches: list[Microbatch], loss_
 
 
 def main() -> None:
-    out_path, sync = sys.argv[1:]
+    out_path, sync, *precision = sys.argv[1:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Toy()
     reference = copy.deepcopy(model)
     ref_optimizer = adamw(reference)
-    modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), ShardSettings())
+    settings = ShardSettings(bf16=precision == ["bf16"])
+    modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), settings)
     optimizer = adamw(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for step in range(2):
         batches = step_batches(rank, step)
         result = loop.train_step(model, optimizer, schedule, batches, sync, 0.0, torch.device("cpu"), step + 1)
         reference_step(reference, ref_optimizer, batches, result.loss_tokens)
-    errors, moved = {}, {}
+    errors, moved, reference_moved = {}, {}, {}
     torch.manual_seed(0)
     initial = Toy()  # the same seed: the weights before training
     with torch.no_grad():
@@ -119,8 +125,9 @@ def main() -> None:
             got = p.full_tensor()
             errors[name] = float((got - q).abs().max() / q.abs().max().clamp_min(1e-30))
             moved[name] = float((got - p0).abs().max())
+            reference_moved[name] = float((q - p0).abs().max())
     with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"errors": errors, "moved": moved}, f)
+        json.dump({"errors": errors, "moved": moved, "reference_moved": reference_moved}, f)
     runtime.exit_process(0)  # FSDP modules alive at interpreter exit can abort a gloo rank (DESIGN.md)
 
 
