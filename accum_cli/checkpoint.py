@@ -36,7 +36,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from accum_cli import model as modeling
 from accum_cli import outdir, safe_dcp
@@ -424,9 +429,23 @@ def _refusal(exc: BaseException, path: Path, flag: str) -> UserError:
     return UserError(f"{flag} {path} could not be read ({first_line(exc)[:200]}); resume an earlier checkpoint")
 
 
+def _only_saved_optimizer_state(optim_state: dict, metadata) -> None:
+    """Drop the optimizer state the checkpoint does not hold. AdamW creates a parameter's state at
+    its first gradient, so a parameter that had none before the save (a layer the training never
+    uses, an expert no token reached) has none saved, and must have none after the resume, as in
+    the run that saved it; `get_state_dict` makes one up for every parameter, and DCP would refuse
+    to load a checkpoint that lacks it."""
+    prefix = "optim.state."
+    saved = {key[len(prefix) :].rsplit(".", 1)[0] for key in metadata.state_dict_metadata if key.startswith(prefix)}
+    for name in [name for name in optim_state["state"] if name not in saved]:
+        del optim_state["state"][name]
+
+
 def _dcp_load(state: dict, meta: Meta, flag: str, no_dist: bool = False) -> None:
     try:
         metadata = safe_dcp.read_metadata(meta.path, meta.files)
+        if "optim" in state:
+            _only_saved_optimizer_state(state["optim"], metadata)
         reader = safe_dcp.VerifiedReader(meta.path, meta.files, metadata)
         with warnings.catch_warnings():  # an export loads in one process on purpose: DCP need not say so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -441,7 +460,9 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> floa
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     _dcp_load(state, meta, "--resume")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_model_state_dict(model, state["model"])
+    # Not strict: a parameter without saved optimizer state (above) keeps none.
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
     rng_name = f"rng-rank{dist.get_rank()}.safetensors"
     if rng_name in meta.files:  # a rank that did not exist in the saved layout keeps its seeded state
         try:

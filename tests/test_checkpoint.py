@@ -227,3 +227,36 @@ def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupte
         if name == "model.embed_tokens.weight":
             finite[383] = True  # the poisoned row itself stays NaN
         assert finite.all(), name
+
+
+def test_parameters_the_training_never_uses_keep_no_optimizer_state_and_resume(tmp_path):
+    """GPT-2 built with cross-attention, which a causal LM's forward never calls: those parameters
+    never have a gradient, so AdamW never creates their state (nor decays them), and a checkpoint
+    holds none for them. A resume must load it all the same (DCP refused: "missing key") and go on
+    as the uninterrupted run did; sharded (FSDP on one rank), their gradient stays None too."""
+    from transformers import ByT5Tokenizer, GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=384, n_embd=32, n_layer=2, n_head=2, n_positions=128, add_cross_attention=True,
+                        eos_token_id=1, bos_token_id=1, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "model")
+    ByT5Tokenizer().save_pretrained(tmp_path / "model")
+    initial = load_file(tmp_path / "model/model.safetensors")
+    write_ragged_tokens(tmp_path / "data.jsonl", n_rows=24)
+
+    def run(out: Path, *extra: str) -> Path:
+        ok(run_cli(["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
+                    "4", "--micro-batch", "2", "--max-steps", "4", "--weight-decay", "0.1", "--lr-schedule",
+                    "constant", "--warmup-steps", "0", "--layout", "shard", "--output-dir", str(out), *extra]))  # fmt: skip
+        return out
+
+    whole = run(tmp_path / "whole", "--checkpoint-every", "2")
+    resumed = run(tmp_path / "resumed", "--resume", str(whole / "checkpoints/step-000002"))
+    assert [m["step"] for m in read_metrics(resumed)] == [3, 4]
+    final, expected = load_file(resumed / "final/model.safetensors"), load_file(whole / "final/model.safetensors")
+    unused = [name for name in final if "crossattention" in name or "ln_cross_attn" in name]
+    assert unused and len(unused) < len(final)
+    for name in final:
+        assert rel_err(final[name], expected[name]) < 1e-6, name
+    for name in unused:  # never decayed, never moved
+        assert torch.equal(final[name], initial[name]), name
