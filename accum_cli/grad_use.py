@@ -49,18 +49,23 @@ class GradientUse:
         self.groups = groups
         self.fsdp_params = [p for group in groups for p in group]
         self.marks = [False] * len(self.fsdp_params)
-        self.hooked: set[int] = set()
+        self.unseen = list(range(len(self.fsdp_params)))  # no unsharded parameter yet: not hooked
         # FSDP creates an unsharded parameter at its unit's first all-gather, inside the forward;
         # after the root's forward, and before any backward, every unit that ran has one.
         model.register_forward_hook(lambda module, args, output: self._hook_new())
 
     def _hook_new(self) -> None:
-        for index, fsdp_param in enumerate(self.fsdp_params):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if not self.unseen:  # every unit has run: nothing left to do at each microbatch
+            return
+        unseen = []
+        for index in self.unseen:
+            unsharded = getattr(self.fsdp_params[index], "_unsharded_param", None)
+            if unsharded is None:
+                unseen.append(index)
             # A frozen parameter has no gradient to mark (and cannot take the hook): it stays 0.
-            if index not in self.hooked and unsharded is not None and unsharded.requires_grad:
+            elif unsharded.requires_grad:
                 unsharded.register_post_accumulate_grad_hook(lambda _, index=index: self._mark(index))
-                self.hooked.add(index)
+        self.unseen = unseen
 
     def _mark(self, index: int) -> None:
         self.marks[index] = True

@@ -319,7 +319,7 @@ MUTANTS = [
            "accum_cli/loop.py", "            use.before_last_backward()\n", "            pass\n",
            ("tests/test_reduce.py", "-k", "sharded and bf16")),
     Mutant("grad_use: a frozen parameter hooked like a trained one", "accum_cli/grad_use.py",
-           "unsharded is not None and unsharded.requires_grad:", "unsharded is not None:",
+           "            elif unsharded.requires_grad:\n", "            else:\n",
            ("tests/test_reduce.py", "-k", "sharded")),
     Mutant("checkpoint: a resume asks for optimizer state the checkpoint never held", "accum_cli/checkpoint.py",
            "            _only_saved_optimizer_state(state[\"optim\"], metadata)\n", "            pass\n",
