@@ -295,7 +295,14 @@ def save(
     final = step_dir(root, step)
     tmp = final.parent / f".tmp-{final.name}"
     rank, world = dist.get_rank(), dist.get_world_size()
+    untrained = not optimizer.state  # every step so far was skipped (--on-nonfinite skip)
     model_state, optim_state = get_state_dict(model, optimizer)
+    if untrained:
+        # get_state_dict makes state up for an optimizer that has none by running one AdamW step
+        # at lr 0: the live optimizer would count that step, and the next real update would be
+        # smaller by its bias correction. Undo it and save none, as the run has none.
+        optimizer.state.clear()
+        optim_state["state"] = {}
     state = {"model": model_state, "optim": optim_state}
     rng_file = tmp / f"rng-rank{rank}.safetensors"
 

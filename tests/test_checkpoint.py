@@ -229,6 +229,41 @@ def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupte
         assert finite.all(), name
 
 
+def test_a_checkpoint_after_only_skipped_steps_changes_nothing_and_resumes(tmp_path):
+    """Step 1 is non-finite and skipped, so the optimizer has no state when the checkpoint after it
+    is saved. Saving must not make any up (torch's get_state_dict runs an AdamW step at lr 0 on an
+    optimizer without state: the live run then counted one step more and its next update was ~26%
+    smaller), and a resume from that checkpoint must go on as the run that never saved."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.embed_tokens.weight"][383] = float("nan")
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    n_rows, global_batch = 12, 4
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(n_rows)]
+    rows[SampleOrder(n_rows, SEED).rows(range(0, 1))[0]][5] = 383  # read in step 1 only
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for ids in rows:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+
+    def run(out: Path, *extra: str) -> dict:
+        ok(run_cli(["--model", str(model_dir), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
+                    str(global_batch), "--micro-batch", "2", "--max-steps", "3", "--seed", str(SEED), "--lr", "1e-2",
+                    "--lr-schedule", "constant", "--warmup-steps", "0", "--on-nonfinite", "skip",
+                    "--output-dir", str(out), *extra]))  # fmt: skip
+        assert [m.get("skipped", False) for m in read_metrics(out)] == [True, False, False][-len(read_metrics(out)) :]
+        final = load_file(out / "final/model.safetensors")
+        final["model.embed_tokens.weight"][383] = 0.0  # the poisoned row stays NaN in every run
+        return final
+
+    whole = run(tmp_path / "whole")
+    saved = run(tmp_path / "saved", "--checkpoint-every", "1", "--keep-checkpoints", "3")
+    resumed = run(tmp_path / "resumed", "--resume", str(tmp_path / "saved/checkpoints/step-000001"))
+    for name, expected in whole.items():
+        assert rel_err(saved[name], expected) < 1e-7, name
+        assert rel_err(resumed[name], expected) < 1e-7, name
+
+
 def test_parameters_the_training_never_uses_keep_no_optimizer_state_and_resume(tmp_path):
     """GPT-2 built with cross-attention, which a causal LM's forward never calls: those parameters
     never have a gradient, so AdamW never creates their state (nor decays them), and a checkpoint
