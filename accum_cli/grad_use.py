@@ -18,6 +18,9 @@ lays them out otherwise, nothing is tracked and such a parameter keeps its zeros
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -49,6 +52,7 @@ class GradientUse:
         self.groups = groups
         self.fsdp_params = [p for group in groups for p in group]
         self.marks = [False] * len(self.fsdp_params)
+        self.marking = True
         self.unseen = list(range(len(self.fsdp_params)))  # no unsharded parameter yet: not hooked
         # FSDP creates an unsharded parameter at its unit's first all-gather, inside the forward;
         # after the root's forward, and before any backward, every unit that ran has one.
@@ -68,7 +72,18 @@ class GradientUse:
         self.unseen = unseen
 
     def _mark(self, index: int) -> None:
-        self.marks[index] = True
+        if self.marking:
+            self.marks[index] = True
+
+    @contextlib.contextmanager
+    def not_marking(self) -> Iterator[None]:
+        """Around a placeholder microbatch's forward and backward (loop.train_step): its zero
+        gradients are no use of a parameter."""
+        self.marking = False
+        try:
+            yield
+        finally:
+            self.marking = True
 
     def before_last_backward(self) -> None:
         """Mixed precision, gradients accumulated unreduced (`last`, `last-keep-params`): FSDP holds

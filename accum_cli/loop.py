@@ -153,10 +153,25 @@ def train_step(
     use = grad_use.tracker(model)  # the sharded layout's marks of which parameters had a gradient
     for index, mb in enumerate(microbatches):
         is_last = index == len(microbatches) - 1
+        # A placeholder (a rank with fewer samples than microbatches) holds one pad token that
+        # counts nowhere, yet its backward would give every expert that token reaches a zero
+        # gradient, marking them used where one process never saw the token: AdamW would move
+        # them. A replicated model has no collective but the reduction, which can run without a
+        # backward, so it skips the placeholder; FSDP's collectives need its forward and backward
+        # on every rank, so there it runs and is not marked.
+        if mb.empty and replicated:
+            if is_last:
+                with reduce.summed_over_ranks(model):
+                    pass
+            mb_losses.append(torch.zeros((), device=device))
+            continue
         if use is not None and is_last and index > 0:
             use.before_last_backward()
         share = mb.tokens / tokens  # this microbatch's part of the step's unpadded tokens
-        with reduce.summed_over_ranks(model) if replicated and is_last else contextlib.nullcontext():
+        with (
+            reduce.summed_over_ranks(model) if replicated and is_last else contextlib.nullcontext(),
+            use.not_marking() if use is not None and mb.empty else contextlib.nullcontext(),
+        ):
             mb_loss, aux = microbatch_backward(model, mb, sync, is_last, loss_tokens, device, share, router)
         mb_losses.append(mb_loss)
         if aux is not None:

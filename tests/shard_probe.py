@@ -1,7 +1,7 @@
 """The sharded layout (accum_cli/model.py `shard`) when ranks use different parameters, in a real
 gloo run started by torchrun; each rank writes OUT_JSON.RANK.
 
-Usage: torchrun --nproc_per_node=2 tests/shard_probe.py OUT_JSON POLICY [bf16]
+Usage: torchrun --nproc_per_node=2 tests/shard_probe.py OUT_JSON POLICY|replicate [bf16]
 
 A toy causal LM in decoder-layer units, as `shard` makes them, trained two steps by the run's own
 `loop.train_step` (AdamW with weight decay). A `rare` layer (an expert) that only rank 0 uses, in
@@ -13,6 +13,11 @@ alone. The reference: an unsharded copy on each rank, each gradient summed over 
 all-reduce, None where no rank had one, and the same AdamW step (fp32). With bf16 (parameters in
 bf16, gradients reduced in fp32, as on a GPU), FSDP accumulates a unit's gradients in fp32 between
 microbatches, and the zeros for a parameter a rank did not use must be fp32 too.
+
+In the second step each rank has a placeholder microbatch (a rank with fewer samples than
+microbatches gets one: a pad token that counts nowhere), whose pad token goes through the rare
+layer that no real token of that step uses: its zero gradient is no use, there as in one process.
+`replicate` runs the same steps on the replicated layout (reduce.py) instead.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from accum_cli import loop, runtime
 from accum_cli import model as modeling
-from accum_cli.data import Microbatch
+from accum_cli.data import Microbatch, empty_microbatch
 from accum_cli.loss import token_loss_sum
 from accum_cli.sharding import ShardSettings
 
@@ -75,6 +80,8 @@ def step_batches(rank: int, step: int) -> list[Microbatch]:
         ids = torch.randint(2, VOCAB, (2, SEQ), generator=generator)
         ids[:, 0] = USE_RARE if (rank == 0 and step == 0) else 2
         batches.append(Microbatch(ids, torch.ones_like(ids), ids.clone()))
+    if step == 1:  # a placeholder whose pad token reaches the rare layer: first on rank 0, last on rank 1
+        batches[0 if rank == 0 else 1] = empty_microbatch(pad_id=USE_RARE)
     return batches
 
 
@@ -84,6 +91,8 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def reference_step(model: nn.Module, optimizer, batches: list[Microbatch], loss_tokens: int) -> None:
     for mb in batches:
+        if mb.empty:  # one process has no placeholder
+            continue
         (token_loss_sum(model(mb.input_ids).logits, mb.labels) / loss_tokens).backward()
     for p in model.parameters():
         if not p.requires_grad:
@@ -107,8 +116,9 @@ def main() -> None:
     model = Toy()
     reference = copy.deepcopy(model)
     ref_optimizer = adamw(reference)
-    settings = ShardSettings(bf16=precision == ["bf16"])
-    modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), settings)
+    if sync != "replicate":
+        settings = ShardSettings(bf16=precision == ["bf16"])
+        modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), settings)
     optimizer = adamw(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for step in range(2):
@@ -122,7 +132,7 @@ def main() -> None:
         for (name, p), q, p0 in zip(
             model.named_parameters(), reference.parameters(), initial.parameters(), strict=True
         ):
-            got = p.full_tensor()
+            got = p.full_tensor() if sync != "replicate" else p
             errors[name] = float((got - q).abs().max() / q.abs().max().clamp_min(1e-30))
             moved[name] = float((got - p0).abs().max())
             reference_moved[name] = float((q - p0).abs().max())

@@ -126,8 +126,9 @@ def test_two_gloo_ranks_sum_exactly_and_launch_the_same_buckets_in_order_during_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("sync", ["every", "last"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "sync, precision", [("every", "fp32"), ("every", "bf16"), ("last", "fp32"), ("last", "bf16"), ("replicate", "fp32")]
+)
 def test_sharded_ranks_that_use_different_parameters_train_as_one_process(tmp_path, sync, precision):
     """The sharded layout (FSDP2), two steps of the run's own train_step: a layer only rank 0 uses
     in the first step (an expert no token of rank 1 reached) and one no rank ever uses. Zeros stand
@@ -135,7 +136,9 @@ def test_sharded_ranks_that_use_different_parameters_train_as_one_process(tmp_pa
     the run); a parameter no rank had a gradient for in a step keeps none, so AdamW leaves it
     alone, as in one process: the unused layer is never decayed, the expert is not moved by its
     momentum in the second step. In bf16 (fp32 reduction, as on a GPU; FSDP then accumulates in
-    fp32 between microbatches) the zeros must be fp32 too, or FSDP refuses the unit's mixed dtypes."""
+    fp32 between microbatches) the zeros must be fp32 too, or FSDP refuses the unit's mixed dtypes.
+    In the second step a placeholder microbatch (first on one rank, last on the other) reaches the
+    expert no real token of that step reached: no use of it, in either layout (`replicate`)."""
     out = tmp_path / "shard.json"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
            str(REPO / "tests/shard_probe.py"), str(out), sync, precision]  # fmt: skip
