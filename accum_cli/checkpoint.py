@@ -235,6 +235,16 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Meta | None:
         except OSError as exc:
             raise _unreadable(output_dir / CHECKPOINTS, "--resume", exc) from None
         if found is None and resume == RESUME_AUTO:
+            final = output_dir / "final"
+            try:
+                finished = final.is_dir() and any(final.iterdir())
+            except OSError:  # unreadable: not ours to discard either
+                finished = True
+            if finished:  # starting fresh would discard it (and its metrics)
+                raise UserError(
+                    f"--resume auto: {output_dir} holds a finished run (final/) but no checkpoint to continue "
+                    "from; drop --resume auto and pass --overwrite to train it again, or pick another --output-dir"
+                )
             return None
         if found is None:
             raise UserError(
@@ -307,7 +317,12 @@ def save(
     rng_file = tmp / f"rng-rank{rank}.safetensors"
 
     def open_folder() -> None:
-        if tmp.exists() and outdir.is_marked(tmp):
+        if tmp.is_dir() and not tmp.is_symlink() and not outdir.is_marked(tmp):
+            with contextlib.suppress(OSError):  # empty: a save that failed before its marker
+                tmp.rmdir()
+        if tmp.is_symlink() or (tmp.exists() and not outdir.is_marked(tmp)):  # the user's: never removed
+            raise FileExistsError(errno.EEXIST, f"{tmp} exists and is not accum-train's; move it away")
+        if tmp.exists():  # an interrupted save of ours
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         outdir.mark(tmp, "checkpoint")
@@ -342,8 +357,11 @@ def save(
                 error = exc
         if not all_ok(error is None, device):
             need = _state_bytes(state, device)
-            if is_main:
+            if is_main and outdir.is_marked(tmp) and not tmp.is_symlink():  # only a folder this save made
                 shutil.rmtree(tmp, ignore_errors=True)
+            elif is_main:
+                with contextlib.suppress(OSError):  # made, but failed before its marker: empty
+                    tmp.rmdir()
             raise SaveFailed(_save_failure(final, error, need, root))
     return final, time.perf_counter() - started
 
@@ -496,33 +514,48 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
                 safe_dcp.verify_file(meta.path, name, meta.files)
     except safe_dcp.UnsafeCheckpoint as exc:
         raise safe_dcp.as_user_error(exc, meta.path, "checkpoint") from None
-    config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
-    dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    try:  # an unknown or non-causal model type, or code the checkpoint's config asks to run
+        config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
+        dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"checkpoint {meta.path}: its model cannot be built ({reason}); export it with the accum-train "
+            "and --trust-remote-code it was trained with"
+        ) from None
     state = {"model": model.state_dict()}
     _dcp_load(state, meta, "checkpoint", no_dist=True)
     model.load_state_dict(state["model"])
     model.to(dtype)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    if tmp.exists() and outdir.is_marked(tmp):
+    if tmp.is_symlink() or (tmp.exists() and not outdir.is_marked(tmp)):
+        raise UserError(f"export: {tmp} exists and is not accum-train's; move it away or pick another target")
+    if tmp.exists():  # an earlier export of ours that was interrupted
         shutil.rmtree(tmp)
+    created = False
     try:
         tmp.mkdir(parents=True)
+        created = True
         outdir.mark(tmp, "export")
         with modeling.safetensors_writes():
             model.save_pretrained(tmp, safe_serialization=True)
         modeling.stamp_dtype(tmp, dtype)
         with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
-            AutoTokenizer.from_pretrained(meta.path).save_pretrained(tmp)
+            # Never the code a checkpoint may ship, nor transformers' question whether to run it.
+            AutoTokenizer.from_pretrained(meta.path, trust_remote_code=trust_remote_code).save_pretrained(tmp)
         for written in tmp.glob("*.safetensors"):
             _chmod_as_umask(written)
         (tmp / outdir.MARKER).unlink()  # the exported model is the user's from here on
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"export to {out_dir} failed ({exc.strerror or exc}); check its space and permissions"
-        ) from None
+    except BaseException as exc:  # Ctrl-C and a full disk alike leave no half-written folder
+        if created:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise UserError(
+                f"export to {out_dir} failed ({exc.strerror or exc}); check its space and permissions"
+            ) from None
+        raise
     return out_dir

@@ -71,8 +71,27 @@ def _foreign_entries(out: Path) -> list[str]:
     return names
 
 
+def _links(out: Path) -> list[str]:
+    """accum-train's own names in `out` that are symbolic links: writing, appending or removing
+    through one would reach a file or folder elsewhere (a lock file linked to the user's notes)."""
+    if not out.is_dir():
+        return []
+    names = [name for name in (LOCK, MARKER, *RECORD_FILES, *OWN_FOLDERS) if (out / name).is_symlink()]
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        with contextlib.suppress(OSError):  # unreadable: the resume that reads it says so, in one line
+            names += [f"checkpoints/{p.name}" for p in sorted(checkpoints.iterdir()) if p.is_symlink()]
+    return names
+
+
 def check(out: Path, overwrite: bool, resuming: bool) -> None:
     """Refuse a folder of someone else's files, or a previous run we would clobber."""
+    links = _links(out)
+    if links:
+        raise UserError(
+            f"--output-dir {out}: {links[0]} is a symbolic link, and accum-train writes and removes only "
+            "files and folders of its own there; remove the link or pick another --output-dir"
+        )
     foreign = _foreign_entries(out)
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
@@ -143,7 +162,14 @@ class RunLock:
             self.out.mkdir(parents=True)
             self._created_folder = True
         while True:
-            handle = open(self.path, "a+")  # noqa: SIM115 (held open for the run's life)
+            try:  # never through a link: the holder's record would be written into its target
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                raise UserError(
+                    f"--output-dir {self.out}: cannot open {self.path} ({exc.strerror}); "
+                    "remove it if it is a link, or pick another --output-dir"
+                ) from None
+            handle = os.fdopen(fd, "a+")
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -185,8 +211,8 @@ class RunLock:
 def probe(out: Path) -> None:
     """Refuse early (before starting workers) when a live run holds the folder."""
     lock = out / LOCK
-    if not lock.is_file():
-        return
+    if lock.is_symlink() or not lock.is_file():
+        return  # a link is refused by check(); the real acquisition never follows one
     try:
         with open(lock) as handle:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -126,7 +126,8 @@ def test_resume_auto_starts_afresh_where_the_same_run_died_before_its_first_chec
     checkpoint; the requeued command starts over in it instead of refusing it."""
     out = tmp_path / "run"
     ok(run_cli(train_args(root, out, 1)))
-    shutil.rmtree(out / "checkpoints")  # as if killed before the first checkpoint was sealed
+    shutil.rmtree(out / "checkpoints")  # as if killed before the first checkpoint was sealed,
+    shutil.rmtree(out / "final")  # so before final/ too
     refused = run_cli([*train_args(root, out, 2)])
     assert refused.returncode == 2 and "holds a previous run" in refused.stderr
     again = ok(run_cli([*train_args(root, out, 2), "--resume", "auto"]))

@@ -137,6 +137,80 @@ def test_overwrite_removes_only_accum_trains_own_files(root, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my-backup", "step-000001"]
 
 
+@pytest.mark.parametrize("name", [".accum-train.lock", "metrics.jsonl", "final", "checkpoints/step-000002"])
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
+def test_a_run_folder_with_a_link_among_our_names_is_refused_and_the_target_left_alone(
+    root, trained, tmp_path, name, flag
+):
+    """A run folder handed over with one of accum-train's own names linked elsewhere: writing the
+    lock's holder, appending metrics or removing final/ through the link would reach the user's
+    file or folder. Refused before any work, the link and its target untouched."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out, symlinks=True)
+    victim = tmp_path / "victim"
+    if name in ("final", "checkpoints/step-000002"):
+        shutil.copytree(out / name, victim)  # looks like ours: marked, complete
+        (victim / "notes.txt").write_text("mine")
+    else:
+        victim.write_text("mine")
+    link = out / name
+    if link.is_dir():
+        shutil.rmtree(link)
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    before, links_before = tree_digest(victim) if victim.is_dir() else victim.read_bytes(), tree_digest(out)
+    result = invoke([*args(root, out, 3, "--checkpoint-every", "1"), flag])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.output)
+    assert f"{name} is a symbolic link" in line and "remove the link or pick another --output-dir" in line
+    assert (tree_digest(victim) if victim.is_dir() else victim.read_bytes()) == before
+    assert link.is_symlink() and tree_digest(out) == links_before
+
+
+def test_a_checkpoint_save_never_deletes_a_folder_of_the_users_where_it_stages(root, trained, tmp_path):
+    """A save writes into checkpoints/.tmp-step-N, then renames it: a folder of that name that
+    accum-train did not make is the user's. The save fails with one line, the folder is left alone."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    staging = out / "checkpoints" / ".tmp-step-000003"
+    staging.mkdir()
+    (staging / "notes.txt").write_text("mine")
+    result = run_cli(args(root, out, 3, "--checkpoint-every", "1", "--resume"))
+    assert result.returncode != 0
+    assert (staging / "notes.txt").read_text() == "mine"
+    assert ".tmp-step-000003 exists and is not accum-train's; move it away" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_lock_is_never_opened_through_a_link(tmp_path):
+    """Should a link appear after the run's checks: the holder's record is never written into its target."""
+    from accum_cli import outdir
+    from accum_cli.errors import UserError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    (out / ".accum-train.lock").symlink_to(victim)
+    with pytest.raises(UserError, match=r"cannot open .*\.accum-train\.lock .*remove it if it is a link"):
+        outdir.RunLock(out).acquire()
+    assert victim.read_text() == "mine"
+
+
+def test_resume_auto_on_a_finished_run_without_checkpoints_keeps_it(root, trained, tmp_path):
+    """A finished run whose checkpoints the user deleted to free space, requeued with --resume
+    auto: nothing to continue from, and starting fresh would discard its final/ and metrics."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "checkpoints")
+    before = tree_digest(out)
+    result = invoke([*args(root, out, 2), "--resume", "auto"])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.output)
+    assert "holds a finished run (final/) but no checkpoint to continue from" in line
+    assert tree_digest(out) == before
+
+
 def test_overwrite_refuses_a_final_folder_of_someone_elses(root, tmp_path):
     """A run of ours whose final/ the user replaced with their own: refused at the start, not
     after the whole training when final/ cannot be replaced."""
@@ -193,6 +267,35 @@ def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
     assert "is refused: its .metadata asks to load posix.system, which DCP never writes" in line
     assert not sentinel.exists(), "the payload ran"
     assert not (tmp_path / "hf").exists()
+
+
+def export(ckpt: Path, target: Path):
+    from accum_cli.cli import export_app
+
+    return CliRunner().invoke(export_app, [str(ckpt), str(target)])
+
+
+def test_export_never_deletes_a_folder_of_the_users_where_it_stages(trained, tmp_path):
+    """An export writes into `.tmp-<target>` beside the target, then renames it: a folder of that
+    name that accum-train did not make is the user's, refused and left alone."""
+    staging = tmp_path / ".tmp-hf"
+    staging.mkdir()
+    (staging / "notes.txt").write_text("mine")
+    result = export(trained / "checkpoints" / "step-000002", tmp_path / "hf")
+    assert result.exit_code == 2, result.output
+    assert "exists and is not accum-train's; move it away or pick another target" in one_error_line(result.output)
+    assert (staging / "notes.txt").read_text() == "mine" and not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_checkpoint_whose_model_cannot_be_built_is_one_line(trained, tmp_path):
+    ckpt = copy_checkpoint(trained, tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | {"model_type": "no-such-model"}))
+    rewrite_record(ckpt, "config.json")
+    result = export(ckpt, tmp_path / "hf")
+    assert result.exit_code == 2, result.output
+    assert f"checkpoint {ckpt}: its model cannot be built (" in one_error_line(result.output)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / ".tmp-hf").exists()
 
 
 def test_a_payload_in_resume_metadata_never_runs(root, trained, tmp_path):
