@@ -137,7 +137,11 @@ def train_step(
     moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
     loss_tokens, tokens = global_counts(microbatches, device)
-    if loss_tokens == 0:
+    if loss_tokens == 0:  # nothing to learn from (every completion cut off, say)
+        if on_nonfinite == "skip":  # dropped on every rank alike, as a non-finite step is
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            return StepResult(math.nan, 0, tokens, math.nan, lr, skipped=True)
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
     config = getattr(model, "config", None)

@@ -229,6 +229,32 @@ def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupte
         assert finite.all(), name
 
 
+@pytest.mark.parametrize("policy", ["abort", "skip"])
+def test_a_step_without_loss_tokens_aborts_or_is_skipped(tmp_path, policy):
+    """Every label of step 1's samples is -100 (prompts whose completions were cut off): abort
+    names the step (exit 3); skip drops it and goes on, the schedule moving as for any skipped step."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    n_rows, global_batch = 8, 4
+    first = set(SampleOrder(n_rows, SEED).rows(range(0, global_batch)))
+    g = torch.Generator().manual_seed(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for row in range(n_rows):
+            ids = torch.randint(3, 300, (10,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * 10 if row in first else ids}) + "\n")
+    out = tmp_path / "run"
+    result = run_cli(["--model", str(model_dir), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
+                      str(global_batch), "--micro-batch", "2", "--max-steps", "2", "--seed", str(SEED),
+                      "--on-nonfinite", policy, "--output-dir", str(out)])  # fmt: skip
+    if policy == "abort":
+        assert result.returncode == 3, result.stdout + result.stderr
+        assert "step 1 has no loss tokens: every label is -100" in result.stderr
+        return
+    ok(result)
+    metrics = read_metrics(out)
+    assert [m.get("skipped", False) for m in metrics] == [True, False]
+    assert metrics[0]["loss_tokens"] == 0 and metrics[1]["loss_tokens"] > 0
+
+
 def test_a_checkpoint_after_only_skipped_steps_changes_nothing_and_resumes(tmp_path):
     """Step 1 is non-finite and skipped, so the optimizer has no state when the checkpoint after it
     is saved. Saving must not make any up (torch's get_state_dict runs an AdamW step at lr 0 on an
