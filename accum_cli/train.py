@@ -292,7 +292,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         decision = policy.Decision(cfg.sync, "--prepare-only")
     else:
         chosen_layout, plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * len(dataset)) // plan.global_batch)
+    total_steps = cfg.max_steps or epoch_steps(int(cfg.epochs * len(dataset)), plan.global_batch, meta)
     if meta is not None and meta.step >= total_steps:
         done = meta.step == total_steps and finished(out, meta)
         if done and resume == RESUME_AUTO:
@@ -324,6 +324,15 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         micro_reason, size, checkpoint.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
         lock, stream.describe(streamed) if cfg.streaming else "", replayed,
     )  # fmt: skip
+
+
+def epoch_steps(samples: int, global_batch: int, meta: checkpoint.Meta | None) -> int:
+    """--epochs as optimizer steps: `samples` in steps of the global batch. Resumed at another
+    global batch, the steps done count as they were and what is left of the samples is split
+    into steps of the new one: the run trains on the same samples, no more and no fewer."""
+    if meta is None or meta.global_batch == global_batch:
+        return max(1, samples // global_batch)
+    return meta.step + max(0, samples - meta.samples) // global_batch
 
 
 def check_stream(

@@ -255,6 +255,26 @@ def test_a_step_without_loss_tokens_aborts_or_is_skipped(tmp_path, policy):
     assert metrics[0]["loss_tokens"] == 0 and metrics[1]["loss_tokens"] > 0
 
 
+@pytest.mark.parametrize("new_batch, steps", [(4, [3, 4, 5, 6, 7, 8]), (12, [3, 4])])
+def test_epochs_resumed_at_another_global_batch_train_on_the_same_samples(root, tmp_path, new_batch, steps):
+    """--epochs 1 over 40 samples at global batch 8, resumed after step 2 (16 samples) at another
+    global batch: the rest of the epoch, 24 samples, in steps of the new one. Counting the epoch
+    in steps of the new batch from the start trained 48 samples at 4 (into a second epoch) and 28
+    at 12 (stopping short)."""
+
+    def run(out: Path, global_batch: int, *extra: str) -> Path:
+        ok(run_cli(["--model", str(root / "model"), "--dataset", str(root / "data.jsonl"), "--global-batch",
+                    str(global_batch), "--micro-batch", "4", "--epochs", "1", "--seed", str(SEED),
+                    "--output-dir", str(out), "--keep-checkpoints", "5", *extra]))  # fmt: skip
+        return out
+
+    whole = run(tmp_path / "whole", 8, "--checkpoint-every", "2")
+    resumed = run(tmp_path / "resumed", new_batch, "--resume", str(whole / "checkpoints/step-000002"))
+    assert [m["step"] for m in read_metrics(resumed)] == steps
+    last = json.loads((resumed / f"checkpoints/step-{steps[-1]:06d}/meta.json").read_text())
+    assert last["samples"] == 40 == json.loads((whole / "checkpoints/step-000005/meta.json").read_text())["samples"]
+
+
 def test_a_checkpoint_after_only_skipped_steps_changes_nothing_and_resumes(tmp_path):
     """Step 1 is non-finite and skipped, so the optimizer has no state when the checkpoint after it
     is saved. Saving must not make any up (torch's get_state_dict runs an AdamW step at lr 0 on an
