@@ -140,12 +140,23 @@ class Reporter:
         return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
 
 
+def _record_step(line: str) -> int | None:
+    """A metrics line's step; None for a line that is not a record (one torn by a full disk or a kill)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def keep_metrics_until(output_dir: Path, step: int) -> None:
-    """On resume from a checkpoint after `step` steps: drop the later records; they are about to be redone."""
+    """On resume from a checkpoint after `step` steps: drop the later records (they are about to be
+    redone) and any torn line."""
     path = output_dir / "metrics.jsonl"
     if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+        lines = path.read_text(errors="replace").splitlines()
+        kept = [line for line in lines if (done := _record_step(line)) is not None and done <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def last_logged_step(output_dir: Path) -> int:
@@ -153,7 +164,8 @@ def last_logged_step(output_dir: Path) -> int:
     path = output_dir / "metrics.jsonl"
     if not path.exists():
         return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line), default=0)
+    steps = (_record_step(line) for line in path.read_text(errors="replace").splitlines())
+    return max((s for s in steps if s is not None), default=0)
 
 
 def print_lines(lines: list[str], title: str) -> None:

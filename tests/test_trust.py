@@ -197,6 +197,17 @@ def test_the_lock_is_never_opened_through_a_link(tmp_path):
     assert victim.read_text() == "mine"
 
 
+def test_a_torn_metrics_line_does_not_stop_a_resume(root, trained, tmp_path):
+    """A full disk (or a kill) mid-append leaves metrics.jsonl ending in half a record: the resume
+    drops it with the records it redoes, and goes on."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 5.1, "grad_n')
+    ok(run_cli(args(root, out, 3, "--resume", str(out / "checkpoints" / "step-000002"))))
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+
+
 def test_resume_auto_on_a_finished_run_without_checkpoints_keeps_it(root, trained, tmp_path):
     """A finished run whose checkpoints the user deleted to free space, requeued with --resume
     auto: nothing to continue from, and starting fresh would discard its final/ and metrics."""
