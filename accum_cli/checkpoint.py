@@ -320,7 +320,7 @@ def save(
         if tmp.is_dir() and not tmp.is_symlink() and not outdir.is_marked(tmp):
             with contextlib.suppress(OSError):  # empty: a save that failed before its marker
                 tmp.rmdir()
-        if tmp.is_symlink() or (tmp.exists() and not outdir.is_marked(tmp)):  # the user's: never removed
+        if outdir.someone_elses(tmp):
             raise FileExistsError(errno.EEXIST, f"{tmp} exists and is not accum-train's; move it away")
         if tmp.exists():  # an interrupted save of ours
             shutil.rmtree(tmp)
@@ -357,7 +357,7 @@ def save(
                 error = exc
         if not all_ok(error is None, device):
             need = _state_bytes(state, device)
-            if is_main and outdir.is_marked(tmp) and not tmp.is_symlink():  # only a folder this save made
+            if is_main and not outdir.someone_elses(tmp):  # only a folder this save made
                 shutil.rmtree(tmp, ignore_errors=True)
             elif is_main:
                 with contextlib.suppress(OSError):  # made, but failed before its marker: empty
@@ -529,7 +529,7 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
     model.load_state_dict(state["model"])
     model.to(dtype)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    if tmp.is_symlink() or (tmp.exists() and not outdir.is_marked(tmp)):
+    if outdir.someone_elses(tmp):
         raise UserError(f"export: {tmp} exists and is not accum-train's; move it away or pick another target")
     if tmp.exists():  # an earlier export of ours that was interrupted
         shutil.rmtree(tmp)

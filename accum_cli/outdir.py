@@ -42,6 +42,12 @@ def is_marked(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def someone_elses(path: Path) -> bool:
+    """A path where accum-train would stage a folder that is already there and not its own (a
+    link counts: what it points at is elsewhere); never removed."""
+    return path.is_symlink() or (path.exists() and not is_marked(path))
+
+
 def resolve(output_dir: str) -> Path:
     """The folder from --output-dir, refused before any work when it cannot be ours."""
     if not output_dir.strip():
