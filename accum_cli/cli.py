@@ -21,16 +21,17 @@ from accum_cli.config import (
     as_recipe,
     build_config,
 )
-from accum_cli.errors import EXIT_USAGE, UserError
+from accum_cli.errors import EXIT_USAGE, RankError, UserError
 from accum_cli.launcher import WRAPPED
 from accum_cli.runtime import EXIT_PEER_LOST, env_rank, exit_process, peer_lost
 
 EXIT_NONFINITE = 3  # a NaN/inf loss or gradient norm with --on-nonfinite abort
 
 
-def fail(message: str, code: int = EXIT_USAGE) -> None:
-    """One line on stderr (rank 0 only, so N ranks do not print N copies), then exit."""
-    if env_rank() == 0:
+def fail(message: str, code: int = EXIT_USAGE, every_rank: bool = False) -> None:
+    """One line on stderr (rank 0 only, so N ranks do not print N copies, unless the problem is
+    one rank's own), then exit."""
+    if env_rank() == 0 or every_rank:
         print(f"accum-train: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -125,11 +126,19 @@ def main(
     nnodes: Annotated[int, Opt(help="Machines taking part (with --nproc).", rich_help_panel=LAUNCH)] = 1,
     node_rank: Annotated[int, Opt(help="This machine's rank, 0..nnodes-1.", rich_help_panel=LAUNCH)] = 0,
     master_addr: Annotated[
-        str, Opt(help="Address of the machine with node rank 0.", rich_help_panel=LAUNCH)
-    ] = "127.0.0.1",
+        Optional[str],
+        Opt(
+            help="Address of the machine with node rank 0 (default: the accelerate config's, else 127.0.0.1).",
+            rich_help_panel=LAUNCH,
+        ),
+    ] = None,
     master_port: Annotated[
-        int, Opt(help="Free TCP port on the machine with node rank 0.", rich_help_panel=LAUNCH)
-    ] = 29500,
+        Optional[int],
+        Opt(
+            help="Free TCP port on the machine with node rank 0 (default: the accelerate config's, else 29500).",
+            rich_help_panel=LAUNCH,
+        ),
+    ] = None,
     accelerate_config: Annotated[
         Optional[str],
         Opt(help="Accelerate config file for the workers (see recipes/accelerate/).", rich_help_panel=LAUNCH),
@@ -152,14 +161,14 @@ def main(
             )
         if resume == RESUME_AUTO and cfg.overwrite:
             raise UserError("--resume auto continues a run and --overwrite discards it; pass one of them")
+        if world_size is not None and not plan:  # before a launch: the workers would each refuse it
+            raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
         if wants_launch:
             if plan:
                 raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")
             spec = (nproc, nnodes, node_rank, master_addr, master_port, accelerate_config)
             launch(cfg, resume, ctx.meta["raw_args"], *spec)
             return
-        if world_size is not None and not plan:
-            raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
         if plan:
             from accum_cli.train import plan_only
 
@@ -193,7 +202,7 @@ def main(
                 print(f"accum-train: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as exc:
-        fail(str(exc))
+        fail(str(exc), every_rank=isinstance(exc, RankError))
 
 
 def _last_checkpoint(cfg) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -107,11 +109,11 @@ class TrainConfig:
     strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
                                 BATCH)  # fmt: skip
     max_steps: int | None = option(None, "Optimizer steps.", BATCH, none_means="--epochs passes over the data", ge=1)
-    epochs: float = option(1.0, "Passes over the data when --max-steps is not given.", BATCH, gt=0)
+    epochs: float = option(1.0, "Passes over the data when --max-steps is not given.", BATCH, gt=0, le=1_000_000)
     sync: str = option(policy.AUTO, "When gradients are reduced across ranks (see README, Sync policies).", BATCH,
                        choices=policy.POLICIES)  # fmt: skip
     device_memory_gib: float | None = option(None, "Memory per rank the auto sync policy may plan with.", BATCH,
-                                             none_means="read from the device", gt=0)  # fmt: skip
+                                             none_means="read from the device", gt=0, le=2**30)  # fmt: skip
     # Optimisation
     lr: float | None = option(None, "Peak learning rate.", OPTIMISATION, gt=0,
                               none_means="2e-5 for pretrained weights, 1e-3 for a model built from its config")  # fmt: skip
@@ -122,8 +124,8 @@ class TrainConfig:
                                  ge=0, le=1)  # fmt: skip
     weight_decay: float = option(0.1, "AdamW decoupled weight decay, on matrices only (not norms or biases).",
                                  OPTIMISATION, ge=0)  # fmt: skip
-    adam_beta1: float = option(0.9, "AdamW beta1.", OPTIMISATION, ge=0, le=1)
-    adam_beta2: float = option(0.95, "AdamW beta2.", OPTIMISATION, ge=0, le=1)
+    adam_beta1: float = option(0.9, "AdamW beta1.", OPTIMISATION, ge=0, lt=1)
+    adam_beta2: float = option(0.95, "AdamW beta2.", OPTIMISATION, ge=0, lt=1)
     adam_eps: float = option(1e-8, "AdamW epsilon.", OPTIMISATION, ge=0)
     grad_clip: float = option(1.0, "Max global gradient L2 norm; 0 disables clipping.", OPTIMISATION, ge=0)
     seed: int = option(0, "Seed of the data order, of dropout and of the weights of a model built from its config.",
@@ -182,8 +184,12 @@ class TrainConfig:
         """Collect every problem, then raise once naming them all."""
         if isinstance(self.micro_batch, str) and self.micro_batch != "auto":  # a flag's text: a number or auto
             text = self.micro_batch.strip()
-            self.micro_batch = int(text) if text.lstrip("-").isdigit() else self.micro_batch
+            self.micro_batch = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else self.micro_batch
         problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
+        for name in ("model", "dataset", "eval_dataset", "text_column"):  # "" from an unset shell variable
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")
         if isinstance(self.micro_batch, str) and self.micro_batch != "auto":
             problems.append(f"--micro-batch must be a positive integer or auto, got {recipe.quote(self.micro_batch)}")
         if self.eval_dataset and self.eval_split_ratio:
@@ -275,6 +281,8 @@ def _checked(name: str, value: Any, where: str) -> Any:
     if value is None and type(None) in allowed:
         return None
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > sys.float_info.max:
+            raise UserError(f"{where} is too large for a number, got {recipe.quote(value)}")
         return float(value)
     if int in allowed and isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
@@ -287,6 +295,8 @@ def _checked(name: str, value: Any, where: str) -> Any:
 
 def build_config(recipe_path: str | None, cli_overrides: dict[str, Any]) -> TrainConfig:
     """Defaults < recipe < CLI flags (a flag the user did not give is None and overrides nothing)."""
+    if recipe_path is not None and not recipe_path.strip():  # "" from an unset shell variable
+        raise UserError("--recipe is empty; pass a YAML file (or a run's config.json), or leave the flag out")
     values = load_recipe(recipe_path) if recipe_path else {}
     values.update({k: v for k, v in cli_overrides.items() if v is not None})
     return TrainConfig(**values).validate()

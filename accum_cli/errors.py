@@ -5,6 +5,11 @@ class UserError(Exception):
     """A problem with the user's input. The message names the problem and the fix."""
 
 
+class RankError(UserError):
+    """A problem only the rank that met it knows (a damaged block of data it read): that rank prints
+    it, whichever it is; the others only see a peer gone."""
+
+
 EXIT_USAGE = 2
 
 

@@ -9,6 +9,7 @@ on a machine without CUDA, ACCELERATE_USE_CPU=1 keeps `--multi_gpu` from meaning
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from accum_cli.errors import UserError
+from accum_cli.errors import UserError, first_line
 from accum_cli.signals import EXIT_PREEMPTED
 
 WRAPPED = "ACCUM_TRAIN_WRAPPED"  # set for workers started by the wrapper
@@ -38,9 +39,10 @@ class Launch:
     nproc: int | None  # processes on this machine; None: the accelerate config's num_processes
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_addr: str | None = None  # None: the accelerate config's, else this machine
+    master_port: int | None = None  # None: the accelerate config's, else 29500
     accelerate_config: str | None = None
+    config_processes: int | None = None  # the accelerate config's num_processes, read by validate
 
     def validate(self) -> Launch:
         if self.nproc is not None and self.nproc < 1:
@@ -49,7 +51,7 @@ class Launch:
             raise UserError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must lie in 0..{self.nnodes - 1}, got {self.node_rank}")
-        if not 0 < self.master_port < 65536:
+        if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UserError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
         if self.accelerate_config and not Path(self.accelerate_config).is_file():
             raise UserError(
@@ -57,11 +59,29 @@ class Launch:
             )
         if self.nproc is None and not self.accelerate_config:
             raise UserError("pass --nproc N (or --accelerate-config FILE) to start worker processes")
+        if self.accelerate_config:
+            return dataclasses.replace(self, config_processes=_config_processes(self.accelerate_config))
         return self
 
     @property
     def world_size(self) -> int | None:
-        return None if self.nproc is None else self.nproc * self.nnodes
+        return self.config_processes if self.nproc is None else self.nproc * self.nnodes
+
+
+def _config_processes(path: str) -> int | None:
+    """The config's num_processes, read by Accelerate's own loader: a file it cannot read (a
+    recipe given by mistake, broken YAML) is refused here, before any worker starts."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        config = load_config_from_file(path)
+    except Exception as exc:
+        raise UserError(
+            f"--accelerate-config {path} is not an Accelerate config ({first_line(exc)[:120]}); pass a file "
+            "written by `accelerate config`, such as those in recipes/accelerate/"
+        ) from None
+    processes = getattr(config, "num_processes", None)
+    return processes if isinstance(processes, int) and processes >= 1 else None
 
 
 def worker_args(raw_args: list[str]) -> list[str]:
@@ -90,7 +110,13 @@ def accelerate_args(launch: Launch, mixed_precision: str | None, forwarded: list
             args.append("--multi_gpu")  # torch's elastic launcher; CPU workers thanks to ACCELERATE_USE_CPU
     if launch.nnodes > 1 or launch.nproc is not None:
         args += ["--machine_rank", str(launch.node_rank)]
-    args += ["--main_process_ip", launch.master_addr, "--main_process_port", str(launch.master_port)]
+    # A flag given wins; else the config's own (a multi-node config names node 0), else this machine.
+    addr = launch.master_addr or (None if launch.accelerate_config else "127.0.0.1")
+    port = launch.master_port or (None if launch.accelerate_config else 29500)
+    if addr is not None:
+        args += ["--main_process_ip", addr]
+    if port is not None:
+        args += ["--main_process_port", str(port)]
     if mixed_precision is not None:
         args += ["--mixed_precision", mixed_precision]
     if not launch.accelerate_config:

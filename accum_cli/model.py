@@ -82,7 +82,7 @@ def load_config(source: ModelSource, trust_remote_code: bool):
     try:
         with _quiet_transformers():  # its warnings on a broken config would bury our one line
             config = AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a folder's config.json can hold anything (a size as a string, ...)
         if "custom code" in str(exc) or "trust_remote_code" in str(exc):
             raise UserError(
                 f"--model {source.name} ships its own code (auto_map) to run at load; read it, then pass "
@@ -102,6 +102,10 @@ def load_config(source: ModelSource, trust_remote_code: bool):
             f"--model {source.name} ({arch}) is not a causal language model{extra}; "
             "pass a model that AutoModelForCausalLM can load"
         )
+    if getattr(config, "is_decoder", None) is False:
+        # An encoder family's causal LM head (BERT, RoBERTa, ELECTRA, ...) attends to the tokens it
+        # predicts unless its config says decoder: trained so, it learns to copy the next token.
+        config.is_decoder = True
     config.use_cache = False
     return config
 
@@ -237,26 +241,51 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
     from transformers import AutoModelForCausalLM
 
     if source.has_weights:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.location,
-            config=config,
-            dtype=torch.float32,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=config._attn_implementation,
-        )
+        try:
+            with _quiet_transformers():  # its table of missing weights would bury our one line
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    source.location,
+                    config=config,
+                    dtype=torch.float32,
+                    trust_remote_code=trust_remote_code,
+                    attn_implementation=config._attn_implementation,
+                    output_loading_info=True,
+                )
+        except Exception as exc:  # a shard the index names is gone, a tensor of another shape, ...
+            raise UserError(
+                f"--model {source.name}: its weights cannot be loaded ({first_line(exc)[:200]}); restore the "
+                "folder from its source"
+            ) from None
+        # transformers fills a tensor the files lack with random values and goes on: a model whose
+        # names do not match (another prefix, a layer missing) would train from scratch unnoticed.
+        missing = sorted(info["missing_keys"])
+        if missing:
+            raise UserError(
+                f"--model {source.name}: its weights files lack {len(missing)} of the model's "
+                f"{sum(1 for _ in model.parameters())} tensors (first: {missing[0][:120]}), which would start from "
+                "random values; pass a folder whose weights match its config.json"
+            )
     else:
         # Every rank draws the same initial weights from the same seed.
         torch.manual_seed(seed)
-        # A copy: from_config(dtype=fp32) records fp32 in the config it is given, and the run's
-        # config must keep the dtype the model declares (the default dtype of its export).
-        model = AutoModelForCausalLM.from_config(
-            copy.deepcopy(config),
-            dtype=torch.float32,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=config._attn_implementation,
-        )
+        model = build_fp32(config, trust_remote_code)
     model.train()
     return model
+
+
+def build_fp32(config, trust_remote_code: bool) -> nn.Module:
+    """The model built from its config with fp32 parameters (on the current default device: the
+    meta device builds no storage), whatever dtype the config declares. A copy of the config:
+    from_config(dtype=fp32) records fp32 in the config it is given, and the run's config must keep
+    the dtype the model declares (the default dtype of its export)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(
+        copy.deepcopy(config),
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=config._attn_implementation,
+    )
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool):
@@ -267,8 +296,13 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool):
         return ByT5Tokenizer()
     try:
         return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError):  # none there (pre-tokenised data needs none)
         return None
+    except Exception as exc:  # files there that do not make a tokenizer (a tokenizer.json of other content)
+        raise UserError(
+            f"--model {source.name}: its tokenizer cannot be loaded ({first_line(exc)[:200]}); fix or remove its "
+            "tokenizer files"
+        ) from None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -470,16 +504,15 @@ def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt,
     """The sharded model on every rank, its weights read once per rank or once in all."""
     if not (settings.rank0_loading and rt.world_size > 1):
         return shard(load_model(source, config, cfg.trust_remote_code, cfg.seed), mesh, settings)
-    from transformers import AutoModelForCausalLM
 
     # Only rank 0 holds the full weights in CPU memory; the others shard an empty (meta)
     # model and receive their shards by broadcast.
     if rt.is_main:
         model = load_model(source, config, cfg.trust_remote_code, cfg.seed)
         full_state = model.state_dict()
-    else:
+    else:  # fp32 as rank 0's, whatever the config declares: the broadcast copies into these
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+            model = build_fp32(config, cfg.trust_remote_code)
         model.train()
         full_state = {}
     shard(model, mesh, settings)

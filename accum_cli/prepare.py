@@ -47,11 +47,11 @@ from accum_cli.errors import UserError, first_line
 from accum_cli.sources import Rows, rows_of
 from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
 
-PREP_VERSION = 2
+PREP_VERSION = 3  # 3: block digests in meta.json
 BATCH_ROWS = 1000  # rows per chunk at most
 BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
 PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
-TMP_PREFIX = ".tmp-"  # + host-pid-random: a preparation in progress
+TMP_PREFIX = ".tmp-"  # + host@pid-random: a preparation in progress ("@" is in no hostname)
 PROGRESS_AFTER_S = 2.0  # a progress bar only for preparations that take a while
 
 __all__ = ["IGNORE_INDEX", "Options", "Stats", "cache_key", "check", "collect", "make_rows", "prepare"]
@@ -194,6 +194,9 @@ def _tokens(batch, tokenizer, options: Options):
                 size = "null" if other[i] is None else f"{len(other[i])} long"
                 raise BadRow(i, f"{name} is {size} but input_ids holds {len(row)} tokens")
     if masks is not None:  # positions the data itself masks out are padding: drop them
+        for i, mask in enumerate(masks):
+            if not all(m in (0, 1) for m in mask):  # a null would drop its token silently
+                raise BadRow(i, "attention_mask holds a value other than 0 and 1")
         ids = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(ids, masks, strict=True)]
         if labels is not None:
             labels = [[t for t, m in zip(row, mask, strict=True) if m] for row, mask in zip(labels, masks, strict=True)]
@@ -215,7 +218,11 @@ def _template(tokenizer, messages, **kwargs) -> list[int]:
 
 def _chat(batch, tokenizer, options: Options):
     all_ids, all_labels = [], []
-    for messages in batch["messages"]:
+    for row, messages in enumerate(batch["messages"]):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise BadRow(row, "messages is not a list of turns, each with a role")
         ids = _template(tokenizer, messages)
         if options.train_on_prompt:
             labels = list(ids)
@@ -296,12 +303,12 @@ def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
     ids_rows = [built["input_ids"][i] for i in rows]
     lengths = np.fromiter((len(r) for r in ids_rows), np.int64, len(rows))
     total = int(lengths.sum())
-    ids = _flat(ids_rows)
+    ids = _flat(ids_rows, rows, start, "input_ids")
     vocab = job.options.vocab_size
     _check_range(ids, lengths, rows, start, "input_ids", vocab)
     mask = labels = None
     if job.with_mask:
-        all_labels = _flat([built["labels"][i] for i in rows])
+        all_labels = _flat([built["labels"][i] for i in rows], rows, start, "labels")
         counts = all_labels != IGNORE_INDEX
         mask = counts.astype(np.uint8)
         if np.any(all_labels[counts] != ids[counts]):  # labels of their own (pre-tokenised data)
@@ -315,9 +322,21 @@ def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
                  loss_tokens)  # fmt: skip
 
 
-def _flat(rows: list[list[int]]) -> np.ndarray:
-    """Rows of ids back to back as int64 (numpy's list conversion beats a flat iterator)."""
-    return np.concatenate([np.asarray(row, dtype=np.int64) for row in rows]) if rows else np.zeros(0, np.int64)
+def _flat(rows: list[list[int]], where: list[int], start: int, name: str) -> np.ndarray:
+    """Rows of ids back to back as int64 (numpy's list conversion beats a flat iterator); row k is
+    row `start + where[k]` of the dataset, named if it holds something that is not an id."""
+    flat = []
+    for k, row in enumerate(rows):
+        try:
+            flat.append(np.asarray(row, dtype=np.int64))
+        except (TypeError, ValueError, OverflowError):  # a null or a nested list among the ids
+            flat.append(None)
+        if flat[-1] is None or flat[-1].ndim != 1:
+            raise UserError(
+                f"row {start + where[k]} of the dataset (counting from 0): {name} holds something that is not "
+                "a token id (a null, a nested list); fix or remove that row"
+            )
+    return np.concatenate(flat) if flat else np.zeros(0, np.int64)
 
 
 def _check_range(values: np.ndarray, lengths: np.ndarray, rows: list[int], start: int, name: str,
@@ -448,7 +467,7 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
     try:
         root.mkdir(parents=True, exist_ok=True)
         remove_abandoned(root)
-        work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=root))
+        work = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{socket.gethostname()}@{os.getpid()}-", dir=root))
     except OSError as exc:
         raise UserError(
             f"cannot write the data cache {root} ({exc.strerror}); set ACCUM_TRAIN_CACHE to a writable folder"
@@ -494,7 +513,7 @@ def remove_abandoned(root: Path) -> None:
     """Temporary folders of preparations killed on this host (their process is gone): ours to delete.
     Those of live processes, or of other hosts sharing the cache, are left alone."""
     host = socket.gethostname()
-    for folder in root.glob(f"{TMP_PREFIX}{glob.escape(host)}-*-*"):
+    for folder in root.glob(f"{TMP_PREFIX}{glob.escape(host)}@*-*"):
         pid = folder.name[len(TMP_PREFIX) + len(host) + 1 :].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,10 +1,12 @@
 """Recipe files as users write them: YAML 1.2 numbers, bounded size, one-line errors.
 
 PyYAML implements YAML 1.1, where a float needs a dot: `3e-4` and `1e5` are strings there,
-yet every recipe copied from a paper or another trainer writes them so. YAML 1.2 (core
-schema) reads them as numbers. `Yaml12Loader` is PyYAML's SafeLoader with its float
-resolver replaced by the YAML 1.2 one; `Yaml12Dumper` carries the same resolver, so a string
-that would now read as a number (`"3e-4"`) is written quoted and reads back as a string.
+yet every recipe copied from a paper or another trainer writes them so; and its integers
+include `064` (octal: 52) and `1:30` (base 60: 90), which change a value without a word. YAML
+1.2 (core schema) reads `3e-4` as a number, `064` as 64 and `1:30` as text. `Yaml12Loader` is
+PyYAML's SafeLoader with its int and float resolvers replaced by the YAML 1.2 ones;
+`Yaml12Dumper` carries the same resolvers, so a string that would now read as a number
+(`"3e-4"`) is written quoted and reads back as a string.
 
 A recipe is a few KB; anything above MAX_BYTES is refused before parsing, and every value
 quoted in a message is cut to a few dozen characters (`quote`): a YAML alias bomb (a few
@@ -27,6 +29,9 @@ MAX_BYTES = 1 << 20  # 1 MiB: a generous bound for a file of option: value lines
 QUOTE_CHARS = 60
 
 FLOAT_TAG = "tag:yaml.org,2002:float"
+INT_TAG = "tag:yaml.org,2002:int"
+# YAML 1.2 core schema integers: decimal (a leading zero is still decimal), 0o octal, 0x hex.
+YAML12_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
 # YAML 1.2 core schema floats: a dot or an exponent (or both), .inf, .nan. Plain integers stay
 # with the int resolver, which comes first for the same leading characters.
 YAML12_FLOAT = re.compile(
@@ -38,21 +43,32 @@ YAML12_FLOAT = re.compile(
 )
 
 
-def _with_yaml12_floats(cls: type) -> type:
+def _with_yaml12_numbers(cls: type) -> type:
     cls.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != FLOAT_TAG]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (INT_TAG, FLOAT_TAG)]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
+    cls.add_implicit_resolver(INT_TAG, YAML12_INT, list("-+0123456789"))
     cls.add_implicit_resolver(FLOAT_TAG, YAML12_FLOAT, list("-+0123456789."))
     return cls
 
 
-@_with_yaml12_floats
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)  # SafeLoader's own would read 064 as octal
+
+
+@_with_yaml12_numbers
 class Yaml12Loader(yaml.SafeLoader):
     """SafeLoader (no Python objects) reading numbers per YAML 1.2."""
 
 
-@_with_yaml12_floats
+Yaml12Loader.add_constructor(INT_TAG, _yaml12_int)
+
+
+@_with_yaml12_numbers
 class Yaml12Dumper(yaml.SafeDumper):
     """SafeDumper that quotes any string Yaml12Loader would read as a number."""
 

@@ -7,7 +7,10 @@ executes code from a checkpoint in two places: `FileSystemReader.read_metadata` 
 non-tensor item (the optimizer's hyper-parameters). So here:
 
 - `.metadata` is read by an unpickler that admits only DCP's own metadata classes and the
-  torch types they hold; any other global is refused before it is looked up;
+  torch types they hold; any other global is refused before it is looked up, and its BUILD
+  (which sets attributes) applies to instances only: on an admitted class itself it would patch
+  that class for the whole process (`PosixPath.is_file` made always true turns every folder
+  into one of accum-train's own, to be deleted);
 - non-tensor items are read with `torch.load(weights_only=True)` (tensors already are);
 - every file is checked against the size and SHA-256 recorded at save before it is read, by
   the rank that reads it (~1 s per GiB per rank on a 2-core Xeon), and a file the metadata
@@ -83,7 +86,20 @@ def verify_file(folder: Path, name: str, files: dict[str, dict]) -> Path:
     return path
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+def _build_instances_only(unpickler: pickle._Unpickler) -> None:
+    target = unpickler.stack[-2]  # BUILD pops the state; the object it applies to is below it
+    if isinstance(target, type):
+        raise UnsafeCheckpoint(
+            f"its .metadata sets attributes of the class {target.__name__[:60]}, which DCP never does"
+        )
+    pickle._Unpickler.dispatch[pickle.BUILD[0]](unpickler)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler: its opcodes can be overridden one by one (the C one's cannot)."""
+
+    dispatch = pickle._Unpickler.dispatch | {pickle.BUILD[0]: _build_instances_only}
+
     def find_class(self, module: str, name: str):
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)

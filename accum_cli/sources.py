@@ -163,14 +163,18 @@ def local_origin(files: list[Path]) -> list:
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith((".", "__")) for part in relative.parts)
+
+
 def local_files(dataset: str, flag: str = "--dataset") -> list[Path]:
     path = Path(dataset).expanduser()
     if _is_glob(dataset):
         candidates = [Path(p) for p in glob.glob(str(path), recursive=True)]
     elif path.is_file():
         candidates = [path]
-    else:
-        candidates = list(path.rglob("*"))
+    else:  # as `datasets` reads a folder: not what is hidden (.ipynb_checkpoints, .git, __pycache__)
+        candidates = [p for p in path.rglob("*") if not _hidden(p.relative_to(path))]
     files = sorted(p for p in candidates if p.is_file() and p.suffix in FILE_BUILDERS)
     if not files:
         if path.is_file():

@@ -13,11 +13,19 @@ A prepared folder holds flat binary files and a meta.json that describes them:
 Packed text thus costs 2 bytes per token with a vocabulary under 65,536 and 4 above it.
 A sample is read by slicing the memory maps, so a step costs O(global batch) whatever the corpus
 size, and the page cache, not the process, holds the corpus.
+
+meta.json also records a BLAKE2b digest of every 1 MiB block of each file. A cache is shared
+(across nodes, with colleagues) and outlives the run that wrote it, so a flipped byte must not
+become a silently wrong token. Hashing a whole corpus at every start would cost minutes at
+pretraining scale, so a block is checked the first time a sample in it is read (once per process):
+the cost is one read of what the run touches, spread over the run, and a damaged block stops the
+run before its bytes reach the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,9 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from accum_cli.errors import RankError
+
 IGNORE_INDEX = -100
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block digests
 SCAN_TOKENS = 1 << 24  # tokens per slice when a finished file is scanned (bounded memory)
+CHECK_BLOCK_BYTES = 1 << 20  # small: a sample's first read hashes its block (~1 ms), not more
+DIGEST_BYTES = 16
 
 
 def token_dtype(vocab_size: int | None) -> np.dtype:
@@ -121,9 +133,11 @@ class Writer:
             self.loss_tokens = self._packed_loss_tokens(samples)
         else:
             samples = self.rows
-        files = {p.name: p.stat().st_size for p in sorted(self.folder.glob("*.bin"))}
+        paths = sorted(self.folder.glob("*.bin"))
+        files = {p.name: p.stat().st_size for p in paths}
+        digests = {p.name: block_digests(p) for p in paths}
         return {"version": FORMAT_VERSION, "dtype": self.dtype.name, "packed": self.packed, "seq_len": self.seq_len,
-                "samples": samples, "tokens": self.n_tokens, "files": files}  # fmt: skip
+                "samples": samples, "tokens": self.n_tokens, "files": files, "digests": digests}  # fmt: skip
 
     def _packed_loss_tokens(self, samples: int) -> int:
         """Each block's first position predicts nothing; the rest count where the mask says so."""
@@ -140,6 +154,60 @@ class Writer:
         return total
 
 
+def _digest(block: bytes) -> str:
+    return hashlib.blake2b(block, digest_size=DIGEST_BYTES).hexdigest()
+
+
+def block_digests(path: Path) -> str:
+    """The hex digests of the file's CHECK_BLOCK_BYTES blocks, back to back (read, not mapped:
+    the page cache holds what was read, not this process)."""
+    out = []
+    with open(path, "rb") as f:
+        while block := f.read(CHECK_BLOCK_BYTES):
+            out.append(_digest(block))
+    return "".join(out)
+
+
+class DamagedError(RankError):
+    """A block of a prepared file whose bytes do not match the digest meta.json recorded."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(
+            f"the prepared data in {path.parent} is damaged ({what}); delete that folder to prepare it again"
+        )
+
+
+class BlockCheck:
+    """A prepared file's blocks, each checked against its recorded digest the first time it is read."""
+
+    def __init__(self, path: Path, size: int, digests: str):
+        width = 2 * DIGEST_BYTES
+        blocks = -(-size // CHECK_BLOCK_BYTES)
+        if len(digests) != blocks * width:
+            raise OSError(f"meta.json records {len(digests) // width} block digests for {path.name}, not {blocks}")
+        self.path, self.digests = path, digests
+        self.checked = np.zeros(blocks, dtype=bool)
+
+    def bytes(self, start: int, stop: int) -> None:
+        """Raise DamagedError unless every block holding bytes [start, stop) matches its digest."""
+        if stop <= start:
+            return
+        first, last = start // CHECK_BLOCK_BYTES, (stop - 1) // CHECK_BLOCK_BYTES
+        if self.checked[first : last + 1].all():
+            return
+        with open(self.path, "rb") as f:
+            for block in range(first, last + 1):
+                if self.checked[block]:
+                    continue
+                f.seek(block * CHECK_BLOCK_BYTES)
+                data = f.read(CHECK_BLOCK_BYTES)
+                want = self.digests[2 * DIGEST_BYTES * block : 2 * DIGEST_BYTES * (block + 1)]
+                if _digest(data) != want:
+                    where = f"{self.path.name} bytes {block * CHECK_BLOCK_BYTES:,}+"
+                    raise DamagedError(self.path, f"{where} changed since they were written")
+                self.checked[block] = True
+
+
 def _labels_of(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     labels = ids.astype(np.int64)
     if mask is not None:
@@ -152,18 +220,24 @@ class Prepared:
 
     def __init__(self, tokens: np.ndarray, seq_len: int | None, offsets: np.ndarray | None = None,
                  mask: np.ndarray | None = None, labels: np.ndarray | None = None,
-                 index: np.ndarray | None = None, key: str = ""):  # fmt: skip
+                 index: np.ndarray | None = None, key: str = "",
+                 checks: dict[str, BlockCheck] | None = None):  # fmt: skip
         self.tokens, self.seq_len, self.offsets = tokens, seq_len, offsets
         self.mask, self.labels, self.index, self.key = mask, labels, index, key
+        self.checks = checks or {}  # by file name; none for arrays made in memory
 
     @classmethod
     def load(cls, folder: Path, meta: dict, key: str) -> Prepared:
-        """Memory-map the files meta.json names, after checking their sizes (a torn copy is refused)."""
+        """Memory-map the files meta.json names, after checking their sizes (a torn copy is refused);
+        their bytes are checked block by block as samples are read (BlockCheck)."""
+        if meta.get("version") != FORMAT_VERSION or meta.get("key") != key:
+            raise OSError(f"{folder / 'meta.json'} describes other prepared data (format or key differ)")
         for name, size in meta["files"].items():
             path = folder / name
             if not path.is_file() or path.stat().st_size != size:
                 raise OSError(f"{path} is missing or has the wrong size")
         files = meta["files"]
+        checks = {name: BlockCheck(folder / name, size, meta["digests"][name]) for name, size in files.items()}
 
         def mapped(name: str, dtype) -> np.ndarray | None:
             if name not in files:
@@ -179,6 +253,7 @@ class Prepared:
             mapped("mask.bin", np.uint8),
             mapped("labels.bin", np.int32),
             key=key,
+            checks=checks,
         )
 
     def __len__(self) -> int:
@@ -193,21 +268,29 @@ class Prepared:
         index = np.asarray(indices, dtype=np.int64)
         if self.index is not None:
             index = self.index[index]
-        return Prepared(self.tokens, self.seq_len, self.offsets, self.mask, self.labels, index, self.key)
+        return Prepared(self.tokens, self.seq_len, self.offsets, self.mask, self.labels, index, self.key, self.checks)
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, labels) of sample i, as int64 arrays."""
         row = int(self.index[i]) if self.index is not None else i
         if self.offsets is not None:
+            self._check("offsets.bin", row, row + 2, 8)
             start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
         else:
             start, stop = row * self.seq_len, (row + 1) * self.seq_len
+        for name, itemsize in (("tokens.bin", self.tokens.itemsize), ("mask.bin", 1), ("labels.bin", 4)):
+            self._check(name, start, stop, itemsize)
         ids = self.tokens[start:stop].astype(np.int64)
         if self.labels is not None:
             return ids, self.labels[start:stop].astype(np.int64)
         if self.mask is not None:
             return ids, np.where(self.mask[start:stop] != 0, ids, IGNORE_INDEX)
         return ids, ids
+
+    def _check(self, name: str, start: int, stop: int, itemsize: int) -> None:
+        check = self.checks.get(name)
+        if check is not None:
+            check.bytes(start * itemsize, stop * itemsize)
 
     def rows(self, indices) -> list[tuple[np.ndarray, np.ndarray]]:
         return [self.sample(int(i)) for i in indices]

@@ -160,7 +160,8 @@ def _rows(chunks: Iterable[prepare.Chunk], max_positions: int | None) -> Iterato
                     f"a pre-tokenised row has {stop - start} tokens, above the model's {max_positions} positions; "
                     "shorten the rows or pass --no-packing --seq-len N to truncate them"
                 )
-            yield chunk.ids[start:stop], None if labels is None else labels[start:stop]
+            # Copies: a view would keep its whole chunk alive in the shuffle buffer.
+            yield chunk.ids[start:stop].copy(), None if labels is None else labels[start:stop].copy()
 
 
 def shuffled(items: Iterable[T], size: int, seed: int) -> Iterator[T]:

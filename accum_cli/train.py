@@ -259,14 +259,14 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     else:
         dataset, stats, tokenised = prepared(data_key, evaluation=False)
     tokenised_on = int(runtime.all_reduce_sum(torch.tensor([int(tokenised)], device=rt.device)).item())
-    eval_dataset = None
+    eval_dataset, eval_stats = None, None
     if cfg.eval_dataset:
         if cfg.streaming:
             eval_dataset, _, _ = prepare.prepare(
                 raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc
             )
         else:
-            eval_dataset, _, _ = prepared(eval_key, evaluation=True)
+            eval_dataset, eval_stats, _ = prepared(eval_key, evaluation=True)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if cfg.streaming:
@@ -276,15 +276,19 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
             f"global batch of {cfg.global_batch}; lower --global-batch or --seq-len, or add data"
         )
-    if stats is not None and stats.format == "tokens":
-        longest = stats.longest
+    # Pre-tokenised rows are not cut to --seq-len unless asked: the longest must fit the model, the
+    # evaluation's too (it would stop the run at its first evaluation), and sizes the estimate.
+    pretokenised = [x for x in (stats, eval_stats) if x is not None and x.format == "tokens"]
+    if pretokenised:
+        longest = max(x.longest for x in pretokenised)
         limit = getattr(model_config, "max_position_embeddings", None)
         if limit and longest > limit:
             raise UserError(
                 f"a pre-tokenised row has {longest} tokens, above the model's {limit} positions; "
                 "shorten the rows or pass --no-packing --seq-len N to truncate them"
             )
-        seq_len = longest
+        if stats is not None and stats.format == "tokens":
+            seq_len = longest
     size = model_size(shapes, settings.bf16)
     if prepare_only:  # nothing trains: no estimate
         plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else cfg.micro_batch, rt.world_size)
@@ -740,7 +744,8 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
 def _run_record(s: Setup, cfg: TrainConfig) -> dict:
     """What config.json holds, and the trackers' hyper-parameters: the resolved configuration and the plan."""
     return {
-        "config": cfg.to_dict() | {"seq_len": s.seq_len},
+        # Not --overwrite: `--recipe config.json` reruns the training, and must not discard this run.
+        "config": cfg.to_dict() | {"seq_len": s.seq_len, "overwrite": False},
         "plan": {
             "global_batch": s.plan.global_batch,
             "micro_batch": s.plan.micro_batch,

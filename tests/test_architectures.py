@@ -322,3 +322,24 @@ def test_a_router_loss_of_another_form_is_refused_when_exact(workdir, tmp_path):
     assert not (tmp_path / "run").exists()
     step, _ = train_in_process([*args, "--moe-aux-loss", "microbatch"])
     assert step["aux_loss"] > 0
+
+
+def test_an_encoder_familys_causal_head_does_not_see_the_tokens_it_predicts(tmp_path):
+    """BERT's, RoBERTa's ... causal LM heads attend both ways unless their config says decoder:
+    trained so, the model learns to copy the next token. Built as accum-train builds it, a change
+    at position 9 reaches no position before it."""
+    from transformers import BertConfig
+
+    from accum_cli import model as modeling
+
+    BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=64).save_pretrained(tmp_path)  # fmt: skip
+    source = modeling.resolve_source(str(tmp_path))
+    model = modeling.load_model(source, modeling.load_config(source, False), False, 0).eval()
+    ids = torch.randint(5, 60, (1, 12), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    changed[0, 9] += 1
+    with torch.no_grad():
+        before, after = model(input_ids=ids).logits, model(input_ids=changed).logits
+    assert torch.equal(before[0, :9], after[0, :9])
+    assert not torch.equal(before[0, 9:], after[0, 9:])

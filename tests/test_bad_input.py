@@ -22,6 +22,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bad")
     f = {"root": root}
     f["tiny"] = save_tiny_model(root / "tiny")
+    f["cpu-2proc"] = REPO / "recipes" / "accelerate" / "cpu-2proc.yaml"
     (root / "no-config").mkdir()
     from transformers import ViTConfig
 
@@ -47,6 +48,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "long-mask.jsonl": [{"input_ids": [5, 6], "attention_mask": [1, 1, 1]}],
         "no-loss.jsonl": [{"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}] * 8,
         "empty-rows.jsonl": [{"input_ids": []}] * 8,
+        "null-id.jsonl": [{"input_ids": [5, 6, 7]}, {"input_ids": [5, None, 7]}],
+        "null-mask.jsonl": [
+            {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]},
+            {"input_ids": [5, 6, 7], "attention_mask": [1, None, 1]},
+        ],
+        "long-eval.jsonl": [{"input_ids": [5] * 300}],  # above the tiny model's 256 positions
     }
     for name, rows in bad_data.items():
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -58,6 +65,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "bomb.yaml").write_text("model: [" + ", ".join(levels) + "]\n")
     (root / "huge.yaml").write_text("# a comment line\n" * 70_000)
     (root / "deep.yaml").write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
+    (root / "huge-int.yaml").write_text(f"epochs: {10**400}\n")
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
@@ -84,11 +92,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     shard = next(f["torn-shard"].glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:64])
 
-    # Broken model folders: weights cut in half, a negative size, an absurd depth.
+    # Broken model folders: weights cut in half, a negative size, an absurd depth, a size as text.
     for name, edit in (
         ("half-weights", None),
         ("neg-vocab", {"vocab_size": -5}),
         ("deep", {"num_hidden_layers": 100_000}),
+        ("text-size", {"hidden_size": "64"}),
     ):
         folder = save_tiny_model(root / name)
         if edit is None:
@@ -97,6 +106,27 @@ def files(tmp_path_factory) -> dict[str, Path]:
         else:
             config = json.loads((folder / "config.json").read_text()) | edit
             (folder / "config.json").write_text(json.dumps(config))
+    # Weights that load into random values: a layer's tensors gone, every name under another prefix;
+    # a shard its index names gone; a tokenizer.json of other content.
+    from safetensors.torch import load_file, save_file
+
+    for name, rename in (("missing-layer", lambda k: None if ".layers.1." in k else k), ("renamed", "other.{}".format)):
+        folder = save_tiny_model(root / name)
+        weights = load_file(folder / "model.safetensors")
+        kept = {rename(k): v for k, v in weights.items() if rename(k) is not None}
+        save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    folder = save_tiny_model(root / "lost-shard")
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_file(weights, folder / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    index = {
+        "metadata": {},
+        "weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(weights)},
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    folder = save_tiny_model(root / "bad-tokenizer")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Nothing"}}))
     return f
 
 
@@ -151,6 +181,9 @@ CASES = [
     (["--model", "{half-weights}"], "weights file model.safetensors is corrupt or truncated"),
     (["--model", "{neg-vocab}"], "its config has vocab_size -5; it must be a positive integer"),
     (["--model", "{deep}"], "asks for 100,000 layers, more than the 2,048 accum-train builds"),
+    (["--model", "{text-size}"], "text-size: cannot read its config: Validation error for field 'hidden_size'"),
+    (["--model", "{bad-tokenizer}", "--dataset", "{tokens.jsonl}", "--global-batch", "4"],
+     "its tokenizer cannot be loaded ("),
     (["--layout", "sideways"], "--layout 'sideways' is unknown; use one of: auto, shard, replicate"),
     (["--layout", "replicate", "--sync", "every"],
      "--layout replicate cannot be used: --sync every reduces more than once per step"),
@@ -171,6 +204,13 @@ CASES = [
      "no position of the dataset counts in the loss"),
     (["--model", "{tiny}", "--dataset", "{empty-rows.jsonl}", "--global-batch", "4"],
      "no position of the dataset counts in the loss"),
+    (["--model", "{tiny}", "--dataset", "{null-id.jsonl}"],
+     "row 1 of the dataset (counting from 0): input_ids holds something that is not a token id (a null"),
+    (["--model", "{tiny}", "--dataset", "{null-mask.jsonl}"],
+     "row 1 of the dataset (counting from 0): attention_mask holds a value other than 0 and 1"),
+    # The evaluation's rows must fit the model too: refused before training, not at the first evaluation.
+    (["--model", "{tiny}", "--dataset", "{tokens.jsonl}", "--global-batch", "4", "--eval-dataset", "{long-eval.jsonl}"],
+     "a pre-tokenised row has 300 tokens, above the model's 256 positions"),
     (["--recipe", "{latin1.yaml}"], "is not UTF-8 text (line 1); save it as UTF-8"),
     (["--seed", str(2**64)], f"--seed must lie in [0, {2**64 - 1}], got {2**64}"),
     (["--recipe", "{big-seed.yaml}"], f"--seed must lie in [0, {2**64 - 1}]"),
@@ -181,6 +221,23 @@ CASES = [
     (["--recipe", "{huge.yaml}"], "is larger than 1 MiB"),
     (["--recipe", "{deep.yaml}"], "is nested too deeply"),
     (["--recipe", "{no-config}"], "is a folder; pass a YAML file to --recipe"),
+    (["--adam-beta1", "1"], "--adam-beta1 must lie in [0, 1), got 1.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must lie in [0, 1), got 1.0"),
+    (["--micro-batch", "\u00b2"], "--micro-batch must be a positive integer or auto, got '\u00b2'"),
+    (["--micro-batch=--4"], "--micro-batch must be a positive integer or auto, got '--4'"),
+    (["--epochs", "1e308"], "--epochs must be <= 1000000, got 1e+308"),
+    (["--plan", "--device-memory-gib", "1e308"], "--device-memory-gib must be <= 1073741824, got 1e+308"),
+    (["--recipe", "{huge-int.yaml}"], "key 'epochs' is too large for a number, got 1000"),
+    # "" from an unset shell variable ("--dataset $DATA") is not the default it would silently become
+    (["--dataset="], "--dataset is empty; pass a value or leave the flag out"),
+    (["--model="], "--model is empty; pass a value or leave the flag out"),
+    (["--recipe="], "--recipe is empty; pass a YAML file"),
+    # The wrapper refuses before any worker starts: a recipe given as the Accelerate config, a world
+    # size for a run, a plan that does not fit the config's processes.
+    (["--nproc", "1", "--accelerate-config", "{unknown-key.yaml}"],
+     "unknown-key.yaml is not an Accelerate config (A `distributed_type` must be specified"),
+    (["--nproc", "2", "--world-size", "4"], "--world-size only applies with --plan"),
+    (["--accelerate-config", "{cpu-2proc}", "--global-batch", "1"], "--global-batch 1 is smaller than the world size 2"),
 ]  # fmt: skip
 
 
@@ -203,6 +260,28 @@ def test_bad_input(files, tmp_path, flags, message):
     assert len(lines[0]) < 1000, "a value quoted in a message is bounded"
     assert "Traceback" not in result.output
     assert not out.exists(), "nothing is written on bad input"
+
+
+@pytest.mark.parametrize(
+    "folder, message",
+    [("missing-layer", "its weights files lack 9 of the model's 21 tensors (first: model.layers.1."),
+     ("renamed", "its weights files lack 21 of the model's 21 tensors (first: lm_head.weight)"),
+     ("lost-shard", "its weights cannot be loaded (")],
+)  # fmt: skip
+def test_weights_that_would_load_as_random_values_are_refused(files, tmp_path, folder, message):
+    """transformers fills a tensor the files lack with random values and goes on (a model whose
+    names do not match would train from scratch, "pretrained" in the header). Weights are read
+    where the model is built, after the plan and data: one error line ends the output there,
+    exit 2, and the folder takes the corrected run as if nothing had happened."""
+    out = tmp_path / "out"
+    flags = ["--dataset", str(files["root"] / "tokens.jsonl"), "--global-batch", "4", "--output-dir", str(out)]
+    result = CliRunner().invoke(app, ["--model", str(files["root"] / folder), *flags])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("accum-train: error: --model ") and message in last, last
+    assert "Traceback" not in result.output
+    fixed = CliRunner().invoke(app, ["--model", str(files["tiny"]), *flags, "--max-steps", "1"])
+    assert fixed.exit_code == 0, fixed.output
 
 
 # Each message by words its folder's name does not hold ("incomplete" alone would match the path).

@@ -139,9 +139,13 @@ def test_recipe_numbers_follow_yaml_1_2(tmp_path):
     values = load_recipe_text("lr: 3e-4\nweight_decay: 1E-2\nadam_eps: 1e-8\nmax_steps: 1e5\nepochs: 2\n")
     assert values == {"lr": 3e-4, "weight_decay": 0.01, "adam_eps": 1e-8, "max_steps": 100000, "epochs": 2.0}
     assert isinstance(values["max_steps"], int) and isinstance(values["epochs"], float)
+    # YAML 1.1 would read 064 as octal (52) and 1:30 in base 60 (90), changing the value silently.
+    assert load_recipe_text("global_batch: 064\nseed: 0o17\nmicro_batch: 0x10\n") == {
+        "global_batch": 64, "seed": 15, "micro_batch": 16}  # fmt: skip
     for text, message in (("lr: fast", "key 'lr' must be float, got str 'fast'"),
                           ("lr: '3e-4'", "key 'lr' must be float, got str '3e-4'"),
-                          ("max_steps: 1.5e0", "key 'max_steps' must be int")):  # fmt: skip
+                          ("max_steps: 1.5e0", "key 'max_steps' must be int"),
+                          ("max_steps: 1:30", "key 'max_steps' must be int, got str '1:30'")):  # fmt: skip
         with pytest.raises(UserError, match=message):
             load_recipe_text(text)
 

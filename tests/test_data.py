@@ -337,6 +337,49 @@ def test_packed_text_is_stored_in_two_bytes_per_token_and_reads_back(model, tmp_
     assert stats.stored_bytes / stats.tokens <= 2.2
 
 
+def test_a_changed_byte_in_the_cache_stops_the_run_before_it_reaches_the_model(model, tmp_path):
+    """A shared cache outlives its run: a byte changed since it was written (here inside the
+    vocabulary, so nothing else would notice) is found by its 1 MiB block's digest the first time
+    a sample in that block is read, and the run stops in one line. Blocks not read are not
+    hashed: the check costs what the run reads."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from accum_cli import store
+
+    rows = np.random.default_rng(0).integers(3, 384, (640, 1024)).tolist()  # 1.25 MiB of uint16: 2 blocks
+    options = prepare.Options(1024, vocab_size=384)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data, _, _ = prepare_here(datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, options)
+    (folder,) = cache_entries(Path(prepare.cache_root()))
+    last = len(rows) - 1
+    assert data.sample(last)[0].tolist() == rows[last]
+    position = 2 * 1024 * last + 10  # a token of the last row, in the file's second block
+    with open(folder / "tokens.bin", "r+b") as f:
+        f.seek(position)
+        f.write(bytes([(rows[last][5] % 250) + 3]))  # another id, still inside the vocabulary
+    data, _, _ = prepare_here(datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, options)
+    assert data.sample(0)[0].tolist() == rows[0], "a block that was not changed reads as before"
+    assert data.checks["tokens.bin"].checked.tolist() == [True, False], "the changed block was not read yet"
+    with pytest.raises(store.DamagedError, match=r"is damaged \(tokens.bin bytes 1,048,576\+ changed since"):
+        data.sample(last)
+
+    # Through the CLI: one line, exit 2, naming the folder to delete.
+    args = ["--model", str(model), "--dataset", str(tmp_path / "rows.jsonl"), "--global-batch", "2",
+            "--micro-batch", "1", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"input_ids": r[:16]}) + "\n" for r in rows[:4]))
+    cache = tmp_path / "cli-cache"
+    assert run_cli(["--prepare-only", *args], env_extra={"ACCUM_TRAIN_CACHE": str(cache)}).returncode == 0
+    (tokens,) = cache.glob("*/tokens.bin")
+    tokens.write_bytes(bytes([tokens.read_bytes()[0] ^ 1]) + tokens.read_bytes()[1:])
+    result = run_cli(args, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"accum-train: error: the prepared data in {tokens.parent} is damaged (tokens.bin bytes 0+ changed since they were "
+        "written); delete that folder to prepare it again"
+    ]
+
+
 def test_a_large_vocabulary_takes_four_bytes_and_ids_round_trip(model, tmp_path):
     import datasets
 
@@ -546,6 +589,36 @@ def test_packed_rows_with_labels_keep_their_mask(model):
     assert stats.loss_tokens == sum(1 for block in blocks for t in block[1:] if t != -100)
 
 
+def test_chat_rows_that_are_not_turns_are_named(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for bad in (None, "hi there", [{"content": "a turn without a role"}], [good[0], "text"]):
+        with pytest.raises(
+            prepare.UserError, match=r"row 8 of the dataset \(counting from 0\): messages is not a list"
+        ):
+            prepare.make_rows({"messages": [good, bad]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+
+
+def test_hidden_files_in_a_dataset_folder_are_not_data(tmp_path):
+    """As `datasets` reads a folder: Jupyter's autosaved copies, a .git, __pycache__ are not rows
+    (a notebook's checkpoint copy would train every row twice)."""
+    from accum_cli import sources
+
+    (tmp_path / "data" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "data" / "__pycache__").mkdir()
+    (tmp_path / "data" / "part").mkdir()
+    for name in ("train.jsonl", ".ipynb_checkpoints/train-checkpoint.jsonl", "__pycache__/x.jsonl",
+                 ".hidden.jsonl", "part/b.jsonl"):  # fmt: skip
+        (tmp_path / "data" / name).write_text('{"text": "a"}\n')
+    assert sources.local_files(str(tmp_path / "data")) == [tmp_path / "data" / "part" / "b.jsonl",
+                                                          tmp_path / "data" / "train.jsonl"]  # fmt: skip
+    (tmp_path / ".data").mkdir()  # a hidden folder named as the dataset is what the user asked for
+    (tmp_path / ".data" / "a.jsonl").write_text('{"text": "a"}\n')
+    assert sources.local_files(str(tmp_path / ".data")) == [tmp_path / ".data" / "a.jsonl"]
+
+
 def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp_path):
     """A preparation killed mid-way (kill -9) leaves its temporary folder; the next one on this
     host removes it, and leaves alone those of live processes."""
@@ -558,14 +631,16 @@ def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp
     cache.mkdir(parents=True)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    abandoned = cache / f".tmp-{socket.gethostname()}-{dead.pid}-x1"
-    in_progress = cache / f".tmp-{socket.gethostname()}-{os.getpid()}-x2"
-    for folder in (abandoned, in_progress):
+    abandoned = cache / f".tmp-{socket.gethostname()}@{dead.pid}-x1"
+    in_progress = cache / f".tmp-{socket.gethostname()}@{os.getpid()}-x2"
+    # Another host whose name is this one's plus "-<digits>" (vm, vm-9): its folder is not ours.
+    other_host = cache / f".tmp-{socket.gethostname()}-9@{dead.pid}-x3"
+    for folder in (abandoned, in_progress, other_host):
         folder.mkdir()
         (folder / "tokens.bin").write_bytes(b"\0" * 64)
     raw = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4})
     prepare_here(raw, None, prepare.Options(8, vocab_size=384))
-    assert not abandoned.exists() and in_progress.exists()
+    assert not abandoned.exists() and in_progress.exists() and other_host.exists()
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
 
 

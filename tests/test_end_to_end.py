@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -82,6 +83,27 @@ def test_a_previous_run_is_not_clobbered(tiny, tmp_path):
     assert (out / "metrics.jsonl").read_text() == before
     shutil.copytree(out / "checkpoints" / "step-000001", out / "checkpoints" / "step-000099")  # an old run's
     assert run_cli([*args, "--overwrite"]).returncode == 0
+    # config.json reruns the training, never the discarding: `--recipe config.json` here is refused.
+    assert json.loads((out / "config.json").read_text())["config"]["overwrite"] is False
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"], (
         "--resume must not find the old run"
     )
+
+
+def test_weights_read_on_rank_0_alone_train_as_weights_read_on_every_rank(tmp_path):
+    """--rank0-loading: rank 0 reads the weights, the others build an empty model and receive
+    their shards. A model that declares bf16 must still get fp32 master weights on every rank
+    (the empty one was built in the declared dtype): the run equals a one-process run."""
+    import torch
+    from helpers import rel_err
+
+    model = save_tiny_model(tmp_path / "model", dtype=torch.bfloat16)
+    data = write_ragged_tokens(tmp_path / "tokens.jsonl", n_rows=16)
+    common = ["--model", str(model), "--dataset", str(data), "--global-batch", "8", "--micro-batch", "2",
+              "--max-steps", "2", "--layout", "shard", "--lr", "1e-3"]  # fmt: skip
+    two = run_cli([*common, "--rank0-loading", "--output-dir", str(tmp_path / "two")], nproc=2)
+    assert two.returncode == 0, two.stdout + two.stderr
+    one = run_cli([*common, "--output-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stdout + one.stderr
+    for a, b in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one"), strict=True):
+        assert rel_err(a["loss"], b["loss"]) < 1e-5 and rel_err(a["grad_norm"], b["grad_norm"]) < 1e-5, (a, b)

@@ -1,6 +1,7 @@
 """Shard settings: our flags, else the launching Accelerate config (parsed by Accelerate), else defaults."""
 
 import pytest
+from helpers import REPO
 
 from accum_cli import launcher, sharding
 from accum_cli.config import TrainConfig
@@ -94,6 +95,21 @@ def test_the_wrapper_speaks_accelerate_launch():
     assert (parsed.main_process_ip, parsed.main_process_port, parsed.mixed_precision) == ("10.1.1.1", 1234, "bf16")
     assert parsed.multi_gpu and parsed.module and parsed.training_script == "accum_cli"
     assert parsed.training_script_args == ["--global-batch", "64"]
+
+
+def test_the_wrapper_leaves_the_accelerate_configs_address_alone():
+    """A multi-node config names node 0 (`main_process_ip: node0`): the wrapper passes an address
+    and port only when given them, so every node meets there, not on its own loopback."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    config = str(REPO / "recipes" / "accelerate" / "multi-node-4x8.yaml")
+    for given, want in (({}, ("node0", 29500)), ({"master_addr": "10.0.0.7", "master_port": 4321}, ("10.0.0.7", 4321))):
+        spec = launcher.Launch(nproc=None, nnodes=4, node_rank=2, accelerate_config=config, **given).validate()
+        parsed = launch_command_parser().parse_args(launcher.accelerate_args(spec, None, []))
+        _validate_launch_command(parsed)  # what launch_command does first: the config fills what flags left unset
+        assert (parsed.main_process_ip, parsed.main_process_port, parsed.machine_rank) == (*want, 2)
+    plain = launcher.accelerate_args(launcher.Launch(nproc=2), None, [])
+    assert plain[plain.index("--main_process_ip") + 1] == "127.0.0.1"
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,17 @@ def test_bad_streaming_input_is_one_line_and_exit_2(files, tmp_path, extra, mess
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("accum-train: error: ") and message in lines[0], result.output
     assert not out.exists()
+
+
+def test_a_buffered_row_holds_its_own_tokens_not_its_chunk():
+    """The shuffle buffer's memory is its samples': a row handed out as a view of its chunk's
+    arrays would keep the whole chunk alive (measured: 10,000 buffered rows, 5.7 MiB of their
+    own, held 35 MiB of chunks)."""
+    lengths = np.full(256, 40, dtype=np.int64)
+    ids = np.arange(256 * 40, dtype=np.uint16)
+    mask = (np.arange(256 * 40) % 3 != 0).astype(np.uint8)
+    chunk = prepare.Chunk(ids, lengths, mask, None, 256, 0, 0)
+    rows = list(stream._rows([chunk], None))
+    assert len(rows) == 256 and rows[1][0].tolist() == list(range(40, 80))
+    for row_ids, row_labels in rows:
+        assert row_ids.base is None and row_labels.base is None

@@ -320,6 +320,27 @@ def test_a_payload_in_resume_metadata_never_runs(root, trained, tmp_path):
     assert not sentinel.exists(), "the payload ran"
 
 
+def test_dcp_metadata_cannot_patch_a_class_it_is_allowed_to_name(root, trained, tmp_path):
+    """The unpickler admits pathlib's classes (DCP pickles paths), and pickle's BUILD sets
+    attributes on whatever it is given, a class too: `PosixPath.is_file = PosixPath` (always
+    true) would make every folder look like one of accum-train's own, and a resume then replaced
+    the user's unmarked final/. Refused before anything is set."""
+    ckpt = copy_checkpoint(trained, tmp_path)
+    path_class = b"cpathlib\nPosixPath\n"
+    patch = path_class + b"N}X" + (7).to_bytes(4, "little") + b"is_file" + path_class + b"s\x86b0"
+    original = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(original[:2] + patch + original[2:])  # after PROTO: the rest is DCP's own
+    rewrite_record(ckpt, ".metadata")
+    result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "its .metadata sets attributes of the class PosixPath, which DCP never does" in one_error_line(result.stderr)
+    from accum_cli import safe_dcp  # and in this process: nothing patched, the class unchanged
+
+    with pytest.raises(safe_dcp.UnsafeCheckpoint, match="sets attributes of the class PosixPath"):
+        safe_dcp.read_metadata(ckpt, json.loads((ckpt / "meta.json").read_text())["files"])
+    assert not Path(tmp_path / "nothing-here").is_file()
+
+
 def test_a_payload_in_a_shard_item_never_runs(root, trained, tmp_path):
     """Non-tensor items (the optimizer's hyper-parameters) are pickled by DCP itself: plant one
     through DCP's own writer, as an attacker would, and resume from it."""
