@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -503,19 +504,32 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> floa
 def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, export_dtype: str = "auto") -> Path:
     """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU, in
     `export_dtype` (auto: the dtype the model's config declares)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     meta = read_meta(checkpoint, flag="checkpoint")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"export target {out_dir} is not empty; pass an empty or new folder")
-    try:  # config and tokenizer files are read by transformers: verify them first
+    # transformers reads a folder's config and tokenizer files by name, listed or not (a planted
+    # chat_template.jinja would be exported): it reads a private copy of the listed, verified ones.
+    with tempfile.TemporaryDirectory(prefix="accum-export-") as listed:
+        _export(meta, Path(listed), out_dir, trust_remote_code, export_dtype)
+    return out_dir
+
+
+def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_dtype: str) -> None:
+    """export's work, the config and tokenizer read from `listed`: copies of the files meta.json lists."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:  # config and tokenizer files are read by transformers: verified, then verified as copied
         for name in meta.files:
             if not name.endswith(".distcp") and name != ".metadata":
                 safe_dcp.verify_file(meta.path, name, meta.files)
+                shutil.copyfile(meta.path / name, listed / name)
+                safe_dcp.verify_file(listed, name, meta.files)
     except safe_dcp.UnsafeCheckpoint as exc:
         raise safe_dcp.as_user_error(exc, meta.path, "checkpoint") from None
+    except OSError as exc:  # the temporary folder's disk
+        raise UserError(f"export: cannot copy the checkpoint's files to read them ({exc.strerror or exc})") from None
     try:  # an unknown or non-causal model type, or code the checkpoint's config asks to run
-        config = AutoConfig.from_pretrained(meta.path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(listed, trust_remote_code=trust_remote_code)
         dtype = modeling.export_dtype(export_dtype, config)  # before from_config records fp32 in it
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
@@ -543,7 +557,7 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
         modeling.stamp_dtype(tmp, dtype)
         with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
             # Never the code a checkpoint may ship, nor transformers' question whether to run it.
-            AutoTokenizer.from_pretrained(meta.path, trust_remote_code=trust_remote_code).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(listed, trust_remote_code=trust_remote_code).save_pretrained(tmp)
         for written in tmp.glob("*.safetensors"):
             _chmod_as_umask(written)
         (tmp / outdir.MARKER).unlink()  # the exported model is the user's from here on
@@ -558,4 +572,3 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
                 f"export to {out_dir} failed ({exc.strerror or exc}); check its space and permissions"
             ) from None
         raise
-    return out_dir

@@ -137,3 +137,9 @@ class Plan:
         below, above = self.nearest_valid_global_batches()
         lines.append(f"                  nearest divisible global batches: {below}, {above}")
         return lines
+
+
+def usable_micro_batch(micro_batch: int, global_batch: int, world_size: int) -> int:
+    """A micro batch above a rank's largest share of the step is that share: no microbatch ever
+    holds more, so neither the plan nor the memory estimate should assume it does."""
+    return min(micro_batch, -(-global_batch // world_size))

@@ -39,13 +39,14 @@ def read_run(folder: Path) -> tuple[list[dict], str]:
     if not metrics.is_file():
         raise UserError(f"{folder} has no metrics.jsonl; pass the --output-dir of a run")
     records = []
-    for number, line in enumerate(metrics.read_text(errors="replace").splitlines(), 1):
+    lines = metrics.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError:
-            if number == len(metrics.read_text().splitlines()):  # a run still writing its last line
+            if number == len(lines):  # a run still writing its last line
                 break
             raise UserError(f"{metrics} line {number} is not JSON; is it a metrics file of accum-train?") from None
         if isinstance(record, dict) and isinstance(record.get("step"), int):

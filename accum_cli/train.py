@@ -41,7 +41,7 @@ from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
 from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, last_logged_step, print_lines
-from accum_cli.plan import Plan
+from accum_cli.plan import Plan, usable_micro_batch
 from accum_cli.runtime import env_rank
 from accum_cli.sharding import COMPILE_DECIDED_AFTER, ShardSettings
 from accum_cli.signals import StopRequest
@@ -79,10 +79,17 @@ def fit_target(cfg: TrainConfig, model_config, seq_len: int, world_size: int, se
 
 def check_layout(cfg: TrainConfig, world_size: int) -> None:
     """The cheap batch and mesh checks, before any estimate (micro batch auto: m = 1 for now)."""
-    plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else cfg.micro_batch, world_size)
+    plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, world_size), world_size)
     if cfg.strict_batch:
         plan.require_divisible()
     policy.shard_size(plan, cfg.replicas)
+
+
+def usable(cfg: TrainConfig, world_size: int) -> int | str:
+    """--micro-batch as the run can use it: auto, or at most a rank's share of the step."""
+    if cfg.micro_batch == fit.AUTO:
+        return fit.AUTO
+    return usable_micro_batch(cfg.micro_batch, cfg.global_batch, world_size)
 
 
 def plan_only(cfg: TrainConfig, world_size: int) -> None:
@@ -100,7 +107,7 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     )
     budget = budget_for(cfg)
     target = fit_target(cfg, model_config, seq_len, world_size, settings)
-    choice = layout.decide(cfg.layout, target, cfg.micro_batch, cfg.sync, budget, show_all=True)
+    choice = layout.decide(cfg.layout, target, usable(cfg, world_size), cfg.sync, budget, show_all=True)
     plan = Plan(cfg.global_batch, choice.micro_batch, world_size)
     if cfg.strict_batch:
         plan.require_divisible()
@@ -140,7 +147,7 @@ def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, se
     if rt.is_main:
         target = fit_target(cfg, model_config, seq_len, rt.world_size, settings)
         try:
-            choice = layout.decide(cfg.layout, target, cfg.micro_batch, cfg.sync, budget_for(cfg, rt))
+            choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget_for(cfg, rt))
             answer = json.dumps([choice.layout.layout, choice.layout.reason, choice.micro_batch, choice.micro_reason,
                                  choice.policy.policy, choice.policy.reason])  # fmt: skip
         except UserError as exc:
@@ -291,7 +298,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             seq_len = longest
     size = model_size(shapes, settings.bf16)
     if prepare_only:  # nothing trains: no estimate
-        plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else cfg.micro_batch, rt.world_size)
+        plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, rt.world_size), rt.world_size)
         chosen_layout, micro_reason = layout.Decision(cfg.layout, "--prepare-only"), "--prepare-only"
         decision = policy.Decision(cfg.sync, "--prepare-only")
     else:

@@ -452,6 +452,13 @@ MUTANTS = [
            "        if world_size is not None and not plan:  # before a launch: the workers would each refuse it\n"
            '            raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")\n',
            "", (BAD, "-k", "nproc and world")),
+    Mutant("checkpoint: export reads the checkpoint folder, unlisted files too", "accum_cli/checkpoint.py",
+           "AutoTokenizer.from_pretrained(listed, trust_remote_code=trust_remote_code)",
+           "AutoTokenizer.from_pretrained(meta.path, trust_remote_code=trust_remote_code)",
+           (TRUST, "-k", "only_the_files")),
+    Mutant("train: a micro batch above a rank's share planned and estimated as given", "accum_cli/train.py",
+           "    return usable_micro_batch(cfg.micro_batch, cfg.global_batch, world_size)", "    return cfg.micro_batch",
+           ("tests/test_cli.py", "-k", "share")),
     Mutant("config: an empty --dataset taken for the default", "accum_cli/config.py",
            "            if isinstance(value, str) and not value.strip():", "            if False:",
            (BAD, "-k", "test_bad_input and dataset")),

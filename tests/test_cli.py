@@ -65,3 +65,17 @@ def test_installed_script_and_module_are_the_same_program():
         assert "64 microbatches" in result.stdout
         bad = subprocess.run([*cmd, "--global-batch", "0"], capture_output=True, text=True, env=env(), timeout=120)
         assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+
+
+def test_a_micro_batch_above_a_ranks_share_is_planned_and_estimated_as_that_share():
+    """G=8 on 2 ranks: no microbatch holds more than 4 sequences, whatever --micro-batch says;
+    the plan and the memory estimate (which decides the layout) are those of 4, not 1,000."""
+    common = ["--plan", "--global-batch", "8", "--world-size", "2", "--device-memory-gib", "16"]
+    big, share = invoke([*common, "--micro-batch", "1000"]), invoke([*common, "--micro-batch", "4"])
+    assert big.exit_code == share.exit_code == 0, big.output
+    assert "micro batch       4 sequences per forward/backward" in big.output
+
+    def without_timing(output: str) -> list[str]:  # "(in 1.2 s)" or "(in 0.0 s, from the cache)"
+        return [line.split(" (in ")[0] for line in output.splitlines()]
+
+    assert without_timing(big.output) == without_timing(share.output)

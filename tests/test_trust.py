@@ -298,6 +298,19 @@ def test_export_never_deletes_a_folder_of_the_users_where_it_stages(trained, tmp
     assert (staging / "notes.txt").read_text() == "mine" and not (tmp_path / "hf").exists()
 
 
+def test_export_reads_only_the_files_the_checkpoint_lists(trained, tmp_path):
+    """transformers reads a folder's tokenizer files by name, listed or not: a chat template
+    planted beside a checkpoint's verified files was exported as the model's. Export reads a
+    copy of the listed files alone."""
+    ckpt = copy_checkpoint(trained, tmp_path)
+    (ckpt / "chat_template.jinja").write_text("{{ 'PLANTED' }}")
+    result = export(ckpt, tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file(), "the listed tokenizer is exported"
+    exported = [f for f in (tmp_path / "hf").iterdir() if f.is_file()]
+    assert not any(b"PLANTED" in f.read_bytes() for f in exported), [f.name for f in exported]
+
+
 def test_export_of_a_checkpoint_whose_model_cannot_be_built_is_one_line(trained, tmp_path):
     ckpt = copy_checkpoint(trained, tmp_path)
     config = json.loads((ckpt / "config.json").read_text())
