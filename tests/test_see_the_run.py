@@ -276,3 +276,18 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2 and "has no metrics.jsonl" in missing.stderr
+
+
+def test_a_metrics_file_with_bytes_that_are_not_utf8_is_read_to_its_last_good_line(tmp_path):
+    """A torn last line (a kill mid-write, a full disk) can hold any bytes: accum-report reads the
+    records before it, and names a bad line elsewhere in one line, never a traceback."""
+    from accum_cli import report
+    from accum_cli.errors import UserError
+
+    good = json.dumps({"step": 1, "loss": 2.5}).encode() + b"\n"
+    (tmp_path / "metrics.jsonl").write_bytes(good + b'{"step": 2, "lo\xff\xfe')
+    records, _ = report.read_run(tmp_path)
+    assert [r["step"] for r in records] == [1]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe not json\n" + good)
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        report.read_run(tmp_path)
