@@ -18,7 +18,10 @@ in a few estimates (3-5), each one proved by measurement, never by extrapolation
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from accum_cli import estimate, policy
@@ -134,7 +137,7 @@ def fit_replicated(target: Target, micro_batch: int | str, budget: Budget) -> tu
 
 
 def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) -> tuple[int, str, int]:
-    allowed = [m for m in range(1, cap + 1) if m == 1 or not target.strict_batch or _divisible(m, target) == m]
+    allowed = _allowed_micro_batches(target, cap)
     peaks: dict[int, int] = {}
 
     def measure(*micro_batches: int) -> None:
@@ -155,10 +158,11 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
         fitting = max(m for m, peak in peaks.items() if peak <= budget.bytes)
         over = sorted(m for m, peak in peaks.items() if peak > budget.bytes)
         bound = _last_possible(over, peaks, budget.bytes) if len(over) >= 2 else cap
-        between = [m for m in allowed if fitting < m < (over[0] if over else cap + 1) and m <= bound]
-        if not between:
+        below = min(over[0] if over else cap + 1, math.floor(bound) + 1)  # the next one measured: under this
+        largest = bisect.bisect_left(allowed, below) - 1
+        if largest < 0 or allowed[largest] <= fitting:
             break
-        measure(between[-1])
+        measure(allowed[largest])
     m, peak = fitting, peaks[fitting]
     over_m = over[0] if over else None
     per_sequence = (peaks[over_m] - peak) // (over_m - m) if over_m else (peak - one) // max(m - 1, 1)
@@ -168,6 +172,14 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
     return m, reason, max(per_sequence, 0)
 
 
+def _allowed_micro_batches(target: Target, cap: int) -> Sequence[int]:
+    """The micro batches auto may choose, ascending: 1..cap, or under --strict-batch those that
+    divide G evenly at this world size (1 always). A sequence, not a list: G may be huge."""
+    if not target.strict_batch:
+        return range(1, cap + 1)
+    return Plan(target.global_batch, 1, target.world_size).valid_micro_batches() or [1]
+
+
 def _last_possible(over: list[int], peaks: dict[int, int], budget: int) -> float:
     """The largest m that may fit, from the two smallest measured micro batches that do not: the
     line through them, extended down, lies at or below the (convex) peak, so no m beyond the point
@@ -175,13 +187,6 @@ def _last_possible(over: list[int], peaks: dict[int, int], budget: int) -> float
     a, b = over[0], over[1]
     slope = (peaks[b] - peaks[a]) / (b - a)
     return a - (peaks[a] - budget) / slope if slope > 0 else a - 1
-
-
-def _divisible(m: int, target: Target) -> int:
-    """--strict-batch: the largest m' <= m with G a multiple of m' x W (1 if none)."""
-    while m > 1 and target.global_batch % (m * target.world_size):
-        m -= 1
-    return m
 
 
 def describe(target: Target, result: Fit, budget: Budget, more: list[str] = ()) -> list[str]:

@@ -13,6 +13,7 @@ The rules (DESIGN.md invariant 2):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from accum_cli.errors import UserError
@@ -86,7 +87,8 @@ class Plan:
         if self.global_batch % self.world_size:
             return []
         per_rank = self.global_batch // self.world_size
-        return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        small = [m for m in range(1, math.isqrt(per_rank) + 1) if per_rank % m == 0]  # O(sqrt G): G may be huge
+        return sorted({*small, *(per_rank // m for m in small)})
 
     def require_divisible(self) -> None:
         """--strict-batch: refuse a G that is not a multiple of m*W, suggesting the nearest fixes."""

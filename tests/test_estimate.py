@@ -281,3 +281,36 @@ def test_gpu_check_imports_and_parses_its_arguments():
     spec.loader.exec_module(module)
     args = module.parse_args(["--micro-batch", "1", "4", "--sync", "last"])
     assert (args.micro_batch, args.sync, args.seq_len) == ([1, 4], ["last"], 2048)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_auto_finds_the_largest_micro_batch_that_fits_in_a_few_estimates(seed):
+    """Against every micro batch tried, for convex peaks (as the estimate's are in m), with and
+    without --strict-batch: the search returns the largest allowed m whose peak fits, having
+    estimated a few of them, and never lists them all (G may be in the billions)."""
+    import random
+
+    rng = random.Random(seed)
+    g, w = rng.randint(1, 400), rng.randint(1, 4)
+    strict = rng.random() < 0.5
+    cap = -(-g // w)
+    a, b, c = rng.uniform(1e8, 2e8), rng.uniform(1e6, 1e8), rng.uniform(0, 1e6)
+    peak = lambda m: int(a + b * m + c * m * m)  # noqa: E731
+    target = fit.Target({}, g, w, 1, 128, False, False, strict_batch=strict)
+    allowed = [m for m in range(1, cap + 1) if m == 1 or not strict or g % (m * w) == 0]
+    budget = fit.Budget(int(rng.uniform(peak(1), peak(cap) * 1.2) / fit.BUDGET_SHARE) + 1, "test")
+    asked = []
+
+    def run(queries):
+        asked.extend(q.micro_batch for q in queries)
+        return [estimate.Estimate(peak(q.micro_batch), {}, 0.0) for q in queries]
+
+    m, _, _ = fit._auto_micro_batch(target, "every", cap, budget, run)
+    assert m == max(x for x in allowed if peak(x) <= budget.bytes)
+    assert len(asked) <= 2 + 2 * max(1, cap).bit_length()
+    # G = 10**12: the candidates are a range or G's 169 divisors, never a list of 10**12 (checked
+    # first, so that a regression fails here rather than filling the memory below).
+    huge = fit.Target({}, 10**12, 1, 1, 128, False, False, strict_batch=strict)
+    candidates = fit._allowed_micro_batches(huge, 10**12)
+    assert len(candidates) == 169 if strict else isinstance(candidates, range)
+    assert fit._auto_micro_batch(huge, "every", 10**12, fit.Budget(10**40, "test"), run)[0] == 10**12
