@@ -155,6 +155,8 @@ def main(
         if print_config:
             print(as_recipe(cfg, PRINT_CONFIG_HEAD), end="")
             return
+        if prepare_only and plan:
+            raise UserError("--plan prints the plan without touching the data; drop --plan or --prepare-only")
         if prepare_only and cfg.streaming:
             raise UserError(
                 "--prepare-only has nothing to prepare with --streaming (it tokenises on the fly); drop one"

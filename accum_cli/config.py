@@ -88,7 +88,7 @@ class TrainConfig:
     eval_every: int | None = option(None, "Evaluate every N optimizer steps (and at the end).", MODEL_DATA,
                                     none_means="at the end", ge=1)  # fmt: skip
     num_proc: int | None = option(None, "Worker processes that tokenise a big corpus.", MODEL_DATA,
-                                  none_means="the CPU cores this process may use", ge=1)  # fmt: skip
+                                  none_means="the CPU cores this process may use", ge=1, le=1024)  # fmt: skip
     streaming: bool = option(False, "Read the dataset as a stream, tokenised and packed on the fly, instead of "
                              "preparing it ahead (needs --max-steps; see README, Streaming).", MODEL_DATA)  # fmt: skip
     shuffle_buffer: int = option(10000, "--streaming: samples held in the seeded shuffle buffer; 0 keeps the "
@@ -269,6 +269,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         name = str(key).replace("-", "_") if isinstance(key, str) else None
         if name not in FIELDS:
             raise UserError(f"recipe {path}: unknown key {recipe.quote(key)}; known keys: {', '.join(FIELD_NAMES)}")
+        if name in overrides:  # global-batch and global_batch: which one was meant?
+            raise UserError(f"recipe {path}: key {recipe.quote(key)} sets {name} a second time; keep one of them")
         overrides[name] = _checked(name, value, f"recipe {path}: key {key!r}")
     return overrides
 

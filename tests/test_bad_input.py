@@ -66,6 +66,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "huge.yaml").write_text("# a comment line\n" * 70_000)
     (root / "deep.yaml").write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
     (root / "huge-int.yaml").write_text(f"epochs: {10**400}\n")
+    (root / "twice.yaml").write_text("global-batch: 8\nglobal_batch: 16\n")
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
@@ -232,6 +233,9 @@ CASES = [
     (["--dataset="], "--dataset is empty; pass a value or leave the flag out"),
     (["--model="], "--model is empty; pass a value or leave the flag out"),
     (["--recipe="], "--recipe is empty; pass a YAML file"),
+    (["--recipe", "{twice.yaml}"], "key 'global_batch' sets global_batch a second time; keep one of them"),
+    (["--plan", "--prepare-only"], "--plan prints the plan without touching the data; drop --plan or --prepare-only"),
+    (["--num-proc", "100000"], "--num-proc must lie in [1, 1024], got 100000"),
     # The wrapper refuses before any worker starts: a recipe given as the Accelerate config, a world
     # size for a run, a plan that does not fit the config's processes.
     (["--nproc", "1", "--accelerate-config", "{unknown-key.yaml}"],
