@@ -45,7 +45,7 @@ import numpy as np
 from accum_cli import isolate
 from accum_cli.errors import UserError, first_line
 from accum_cli.sources import Rows, rows_of
-from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, read_meta, token_dtype
+from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, damaged, read_meta, token_dtype
 
 PREP_VERSION = 3  # 3: block digests in meta.json
 BATCH_ROWS = 1000  # rows per chunk at most
@@ -259,14 +259,17 @@ def _prompt_completion(batch, tokenizer, options: Options):
 BUILDERS = {"tokens": _tokens, "text": _text, "chat": _chat, "prompt-completion": _prompt_completion}
 
 
+def row_error(row: int, problem: str, fix: str = "fix or remove that row") -> UserError:
+    """The one-line refusal of a dataset row, by its index in the dataset."""
+    return UserError(f"row {row} of the dataset (counting from 0): {problem}; {fix}")
+
+
 def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_row: int = 0):
     """Raw rows -> token ids and labels per row, truncated to seq_len unless they will be packed."""
     try:
         ids, labels = BUILDERS[fmt](batch, tokenizer, options)
     except BadRow as exc:
-        raise UserError(
-            f"row {first_row + exc.index} of the dataset (counting from 0): {exc.problem}; fix or remove that row"
-        ) from None
+        raise row_error(first_row + exc.index, exc.problem) from None
     labels = ids if labels is None else labels
     truncated = [False] * len(ids)
     if not packed and (fmt != "tokens" or options.packing is False):
@@ -328,14 +331,12 @@ def _flat(rows: list[list[int]], where: list[int], start: int, name: str) -> np.
     flat = []
     for k, row in enumerate(rows):
         try:
-            flat.append(np.asarray(row, dtype=np.int64))
+            array = np.asarray(row, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):  # a null or a nested list among the ids
-            flat.append(None)
-        if flat[-1] is None or flat[-1].ndim != 1:
-            raise UserError(
-                f"row {start + where[k]} of the dataset (counting from 0): {name} holds something that is not "
-                "a token id (a null, a nested list); fix or remove that row"
-            )
+            array = None
+        if array is None or array.ndim != 1:
+            raise row_error(start + where[k], f"{name} holds something that is not a token id (a null, a nested list)")
+        flat.append(array)
     return np.concatenate(flat) if flat else np.zeros(0, np.int64)
 
 
@@ -347,10 +348,10 @@ def _check_range(values: np.ndarray, lengths: np.ndarray, rows: list[int], start
     position = int(np.argmax((values < 0) | (values >= limit)))
     row = rows[int(np.searchsorted(np.cumsum(lengths), position, side="right"))]
     where = f"the model's vocabulary of {vocab:,}" if vocab is not None else "32-bit ids"
-    raise UserError(
-        f"row {start + row} of the dataset (counting from 0): {name} holds {int(values[position])}, outside "
-        f"{where}; fix the data or pass the --model it was tokenised for"
-    )
+    raise row_error(
+        start + row, f"{name} holds {int(values[position])}, outside {where}",
+        "fix the data or pass the --model it was tokenised for",
+    )  # fmt: skip
 
 
 _JOB: Job | None = None  # a worker process's job, set once when the pool starts
@@ -456,9 +457,7 @@ def cached(key: str) -> tuple[Prepared, Stats] | None:
             return None
         return Prepared.load(folder, meta, key), Stats(**meta["stats"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(
-            f"the prepared data in {folder} is damaged ({exc}); delete that folder to prepare it again"
-        ) from None
+        raise UserError(damaged(folder, exc)) from None
 
 
 def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc: int, show_progress: bool) -> None:

@@ -168,13 +168,15 @@ def block_digests(path: Path) -> str:
     return "".join(out)
 
 
+def damaged(folder: Path, what: object) -> str:
+    return f"the prepared data in {folder} is damaged ({what}); delete that folder to prepare it again"
+
+
 class DamagedError(RankError):
     """A block of a prepared file whose bytes do not match the digest meta.json recorded."""
 
     def __init__(self, path: Path, what: str):
-        super().__init__(
-            f"the prepared data in {path.parent} is damaged ({what}); delete that folder to prepare it again"
-        )
+        super().__init__(damaged(path.parent, what))
 
 
 class BlockCheck:
