@@ -19,6 +19,7 @@ import errno
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -252,6 +253,11 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
                     output_loading_info=True,
                 )
         except Exception as exc:  # a shard the index names is gone, a tensor of another shape, ...
+            if _refused_unpickling(exc):  # torch's own text would advise weights_only=False
+                raise UserError(
+                    f"--model {source.name}: a weights file holds pickled objects other than tensors, which "
+                    "only running code could build; it is not loaded: use safetensors weights from a source you trust"
+                ) from None
             raise UserError(
                 f"--model {source.name}: its weights cannot be loaded ({first_line(exc)[:200]}); restore the "
                 "folder from its source"
@@ -271,6 +277,17 @@ def load_model(source: ModelSource, config, trust_remote_code: bool, seed: int) 
         model = build_fp32(config, trust_remote_code)
     model.train()
     return model
+
+
+def _refused_unpickling(exc: BaseException) -> bool:
+    """Whether torch.load(weights_only=True) refused a pickle (a .bin that builds other objects)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def build_fp32(config, trust_remote_code: bool) -> nn.Module:

@@ -58,6 +58,32 @@ def save_tiny_model(
     return path
 
 
+class Payload:
+    """Unpickling this runs a shell command that creates a sentinel file."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def write_pickled_payload(path: Path, marker: Path) -> None:
+    """A file in torch.save's format whose pickle runs a command (creating `marker`) when loaded
+    without weights_only, as a legacy `pytorch_model.bin` someone crafted would."""
+    import pickle
+    import zipfile
+
+    torch.save({"weight": torch.zeros(1)}, path)
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    (pickled,) = [name for name in entries if name.endswith("data.pkl")]
+    entries[pickled] = pickle.dumps(Payload(marker), protocol=2)
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
 def write_ragged_tokens(path: Path, n_rows: int = 30, seed: int = 2) -> Path:
     """Pre-tokenised rows of different lengths whose labels mask a random prefix with -100,
     so microbatches hold very different numbers of loss tokens."""

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, save_tiny_model, write_ragged_tokens
+from helpers import REPO, env, save_tiny_model, write_pickled_payload, write_ragged_tokens
 from typer.testing import CliRunner
 
 from accum_cli.cli import app
@@ -125,6 +125,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(weights)},
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    # A legacy weights file whose pickle would run code: torch.load(weights_only=True) refuses it.
+    folder = save_tiny_model(root / "pickled-payload")
+    (folder / "model.safetensors").unlink()
+    write_pickled_payload(folder / "pytorch_model.bin", marker=root / "payload-ran")
     folder = save_tiny_model(root / "bad-tokenizer")
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "Nothing"}}))
@@ -270,7 +274,8 @@ def test_bad_input(files, tmp_path, flags, message):
     "folder, message",
     [("missing-layer", "its weights files lack 9 of the model's 21 tensors (first: model.layers.1."),
      ("renamed", "its weights files lack 21 of the model's 21 tensors (first: lm_head.weight)"),
-     ("lost-shard", "its weights cannot be loaded (")],
+     ("lost-shard", "its weights cannot be loaded ("),
+     ("pickled-payload", "a weights file holds pickled objects other than tensors, which only running code")],
 )  # fmt: skip
 def test_weights_that_would_load_as_random_values_are_refused(files, tmp_path, folder, message):
     """transformers fills a tensor the files lack with random values and goes on (a model whose
@@ -284,6 +289,7 @@ def test_weights_that_would_load_as_random_values_are_refused(files, tmp_path, f
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("accum-train: error: --model ") and message in last, last
     assert "Traceback" not in result.output
+    assert not (files["root"] / "payload-ran").exists()
     fixed = CliRunner().invoke(app, ["--model", str(files["tiny"]), *flags, "--max-steps", "1"])
     assert fixed.exit_code == 0, fixed.output
 
