@@ -58,9 +58,11 @@ def test_torchrun_two_ranks_trains_writes_metrics_and_a_loadable_model(tiny, tmp
 
 def test_a_successful_two_rank_run_exits_0_every_time(tiny, tmp_path):
     """DESIGN.md: without a deliberate shutdown about 1 short 2-rank gloo run in 8 aborts or
-    hangs at interpreter exit. Ten in a row must all exit 0."""
+    hangs at interpreter exit. Four in a row must all exit 0 here; the suite's other multi-rank
+    runs (a few dozen) each assert exit 0 too, so a shutdown that fails 1 time in 8 fails the
+    suite all but surely, and these four say why."""
     codes = []
-    for i in range(10):
+    for i in range(4):
         result = run_cli(
             ["--model", str(tiny / "model"), "--dataset", str(tiny / "tokens.jsonl"), "--global-batch", "8",
              "--micro-batch", "2", "--max-steps", "1", "--sync", "last", "--output-dir", str(tmp_path / f"r{i}")],
@@ -69,7 +71,7 @@ def test_a_successful_two_rank_run_exits_0_every_time(tiny, tmp_path):
         )  # fmt: skip
         codes.append(result.returncode)
         assert result.returncode == 0, (i, result.stdout + result.stderr)
-    assert codes == [0] * 10
+    assert codes == [0] * 4
 
 
 def test_a_previous_run_is_not_clobbered(tiny, tmp_path):
