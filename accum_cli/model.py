@@ -107,7 +107,6 @@ def load_config(source: ModelSource, trust_remote_code: bool):
         # An encoder family's causal LM head (BERT, RoBERTa, ELECTRA, ...) attends to the tokens it
         # predicts unless its config says decoder: trained so, it learns to copy the next token.
         config.is_decoder = True
-    config.use_cache = False
     return config
 
 

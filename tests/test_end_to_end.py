@@ -54,6 +54,10 @@ def test_torchrun_two_ranks_trains_writes_metrics_and_a_loadable_model(tiny, tmp
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     assert model.config.num_hidden_layers == 2
     assert tokenizer("abc")["input_ids"][:3] == [100, 101, 102]
+    # Published as the model came (a KV cache for generation): training passes use_cache=False itself.
+    assert json.loads((tiny / "model" / "config.json").read_text())["use_cache"] is True
+    for saved in (out / "final", out / "checkpoints" / "step-000008"):
+        assert json.loads((saved / "config.json").read_text())["use_cache"] is True, saved
 
 
 def test_a_successful_two_rank_run_exits_0_every_time(tiny, tmp_path):
