@@ -113,8 +113,10 @@ def broadcast_text(text: str, device: torch.device) -> str:
     return bytes(data.cpu().tolist()).decode()
 
 
+# gloo's transport raises a peer's death as "Connection closed/reset by peer" and a hung peer as
+# "Timed out waiting ...", both from its source folder gloo/transport/ (tests/test_runtime.py).
 PEER_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
-                   "NCCL communicator was aborted", "ProcessGroupNCCL", "gloo")  # fmt: skip
+                   "NCCL communicator was aborted", "ProcessGroupNCCL", "gloo/transport/")  # fmt: skip
 EXIT_PEER_LOST = 76  # another rank died mid-run; the last checkpoint is intact
 
 
