@@ -468,6 +468,16 @@ MUTANTS = [
     Mutant("train: config.json records --overwrite", "accum_cli/train.py",
            '"seq_len": s.seq_len, "overwrite": False}', '"seq_len": s.seq_len}',
            ("tests/test_end_to_end.py", "-k", "not_clobbered")),
+    Mutant("model: a refused pickle reported with torch's advice", "accum_cli/model.py",
+           "            if _refused_unpickling(exc):", "            if False:",
+           ("tests/test_bad_input.py", "-k", "random_values")),
+    Mutant("model: the run's use_cache=False published", "accum_cli/model.py",
+           "        config.is_decoder = True\n    return config\n", "        config.is_decoder = True\n    config.use_cache = False\n    return config\n",
+           ("tests/test_end_to_end.py", "-k", "torchrun_two_ranks")),
+    Mutant("runtime: any message naming gloo is a lost peer", "accum_cli/runtime.py",
+           '"gloo/transport/")', '"gloo")', ("tests/test_runtime.py",)),
+    Mutant("runtime: a hung peer is not a lost peer", "accum_cli/runtime.py",
+           '"gloo/transport/")', '"gloo/transport/tcp/pair")', ("tests/test_runtime.py",)),
 ]  # fmt: skip
 
 
