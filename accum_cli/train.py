@@ -752,7 +752,7 @@ def _run_record(s: Setup, cfg: TrainConfig) -> dict:
     """What config.json holds, and the trackers' hyper-parameters: the resolved configuration and the plan."""
     return {
         # Not --overwrite: `--recipe config.json` reruns the training, and must not discard this run.
-        "config": cfg.to_dict() | {"seq_len": s.seq_len, "overwrite": False},
+        "config": cfg.to_dict() | {"seq_len": s.seq_len, "overwrite": False} | settings_as_flags(s.settings),
         "plan": {
             "global_batch": s.plan.global_batch,
             "micro_batch": s.plan.micro_batch,
@@ -766,6 +766,20 @@ def _run_record(s: Setup, cfg: TrainConfig) -> dict:
             "total_steps": s.total_steps,
         },
         "resumed_from": str(s.resume.path) if s.resume else None,
+    }
+
+
+def settings_as_flags(settings: ShardSettings) -> dict:
+    """The sharding settings as resolved (flags, else the accelerate config, else defaults), as the
+    flags that give them: `--recipe config.json` without the accelerate config trains the same.
+    Compile left to the run's measurement stays unset: the run decides again."""
+    return {
+        "precision": "bf16" if settings.bf16 else "fp32",
+        "reshard_after_forward": settings.reshard_after_forward,
+        "activation_checkpointing": settings.activation_checkpointing,
+        "offload_params": settings.offload_params,
+        "rank0_loading": settings.rank0_loading,
+        "compile": None if settings.compile_auto else settings.compile,
     }
 
 

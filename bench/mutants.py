@@ -478,6 +478,9 @@ MUTANTS = [
            '"gloo/transport/")', '"gloo")', ("tests/test_runtime.py",)),
     Mutant("runtime: a hung peer is not a lost peer", "accum_cli/runtime.py",
            '"gloo/transport/")', '"gloo/transport/tcp/pair")', ("tests/test_runtime.py",)),
+    Mutant("train: config.json leaves the accelerate config's settings unrecorded", "accum_cli/train.py",
+           '"overwrite": False} | settings_as_flags(s.settings),', '"overwrite": False},',
+           ("tests/test_launchers.py", "-k", "cpu_fsdp")),
 ]  # fmt: skip
 
 

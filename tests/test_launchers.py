@@ -8,6 +8,7 @@ a single-process run of the same command.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -70,6 +71,12 @@ def test_accelerate_launch_with_a_cpu_fsdp_config(setup, single, tmp_path):
     assert "cpu x 2 (gloo)" in result.stdout
     assert "weights loaded on rank 0 and broadcast" in result.stdout
     assert_same_run(out, single)
+    # config.json holds what the accelerate config decided, as flags: a rerun from it without
+    # that config (`--recipe config.json` under torchrun) gets the same settings.
+    recorded = json.loads((out / "config.json").read_text())["config"]
+    assert {k: recorded[k] for k in ("precision", "rank0_loading", "reshard_after_forward", "compile")} == {
+        "precision": "fp32", "rank0_loading": True, "reshard_after_forward": True, "compile": None,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
