@@ -481,6 +481,10 @@ MUTANTS = [
     Mutant("train: config.json leaves the accelerate config's settings unrecorded", "accum_cli/train.py",
            '"overwrite": False} | settings_as_flags(s.settings),', '"overwrite": False},',
            ("tests/test_launchers.py", "-k", "cpu_fsdp")),
+    Mutant("train: the preemption checkpoint records the data position a step behind", "accum_cli/train.py",
+           "path = save_checkpoint(done, samples, draw=False)",
+           "path = save_checkpoint(done, samples - plan.global_batch, draw=False)",
+           (CK, "-k", "sigterm_stops_every_rank")),
 ]  # fmt: skip
 
 
