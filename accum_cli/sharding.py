@@ -74,6 +74,19 @@ class ShardSettings:
             parts.append(f"decoder layers compiled if it pays (decided after step {COMPILE_DECIDED_AFTER})")
         return ", ".join(parts) + f" (from {self.source})"
 
+    def as_flags(self) -> dict:
+        """The settings as resolved (flags, else the accelerate config, else defaults), as the flags
+        that give them: config.json records these, so `--recipe config.json` without the accelerate
+        config trains the same. Compile left to the run's measurement stays unset: it decides again."""
+        return {
+            "precision": "bf16" if self.bf16 else "fp32",
+            "reshard_after_forward": self.reshard_after_forward,
+            "activation_checkpointing": self.activation_checkpointing,
+            "offload_params": self.offload_params,
+            "rank0_loading": self.rank0_loading,
+            "compile": None if self.compile_auto else self.compile,
+        }
+
 
 def _truthy(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "y", "on")

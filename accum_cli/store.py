@@ -276,12 +276,12 @@ class Prepared:
         """(input_ids, labels) of sample i, as int64 arrays."""
         row = int(self.index[i]) if self.index is not None else i
         if self.offsets is not None:
-            self._check("offsets.bin", row, row + 2, 8)
+            self._check("offsets.bin", self.offsets, row, row + 2)
             start, stop = int(self.offsets[row]), int(self.offsets[row + 1])
         else:
             start, stop = row * self.seq_len, (row + 1) * self.seq_len
-        for name, itemsize in (("tokens.bin", self.tokens.itemsize), ("mask.bin", 1), ("labels.bin", 4)):
-            self._check(name, start, stop, itemsize)
+        for name, array in (("tokens.bin", self.tokens), ("mask.bin", self.mask), ("labels.bin", self.labels)):
+            self._check(name, array, start, stop)
         ids = self.tokens[start:stop].astype(np.int64)
         if self.labels is not None:
             return ids, self.labels[start:stop].astype(np.int64)
@@ -289,10 +289,11 @@ class Prepared:
             return ids, np.where(self.mask[start:stop] != 0, ids, IGNORE_INDEX)
         return ids, ids
 
-    def _check(self, name: str, start: int, stop: int, itemsize: int) -> None:
+    def _check(self, name: str, array: np.ndarray | None, start: int, stop: int) -> None:
+        """Elements [start, stop) of the array mapped from file `name`, checked (BlockCheck)."""
         check = self.checks.get(name)
-        if check is not None:
-            check.bytes(start * itemsize, stop * itemsize)
+        if check is not None and array is not None:
+            check.bytes(start * array.itemsize, stop * array.itemsize)
 
     def rows(self, indices) -> list[tuple[np.ndarray, np.ndarray]]:
         return [self.sample(int(i)) for i in indices]

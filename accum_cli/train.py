@@ -79,10 +79,15 @@ def fit_target(cfg: TrainConfig, model_config, seq_len: int, world_size: int, se
 
 def check_layout(cfg: TrainConfig, world_size: int) -> None:
     """The cheap batch and mesh checks, before any estimate (micro batch auto: m = 1 for now)."""
-    plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, world_size), world_size)
+    plan = plan_before_fit(cfg, world_size)
     if cfg.strict_batch:
         plan.require_divisible()
     policy.shard_size(plan, cfg.replicas)
+
+
+def plan_before_fit(cfg: TrainConfig, world_size: int) -> Plan:
+    """The plan before any estimate: micro batch auto counts as 1 for now."""
+    return Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, world_size), world_size)
 
 
 def usable(cfg: TrainConfig, world_size: int) -> int | str:
@@ -298,7 +303,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             seq_len = longest
     size = model_size(shapes, settings.bf16)
     if prepare_only:  # nothing trains: no estimate
-        plan = Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, rt.world_size), rt.world_size)
+        plan = plan_before_fit(cfg, rt.world_size)
         chosen_layout, micro_reason = layout.Decision(cfg.layout, "--prepare-only"), "--prepare-only"
         decision = policy.Decision(cfg.sync, "--prepare-only")
     else:
@@ -752,7 +757,7 @@ def _run_record(s: Setup, cfg: TrainConfig) -> dict:
     """What config.json holds, and the trackers' hyper-parameters: the resolved configuration and the plan."""
     return {
         # Not --overwrite: `--recipe config.json` reruns the training, and must not discard this run.
-        "config": cfg.to_dict() | {"seq_len": s.seq_len, "overwrite": False} | settings_as_flags(s.settings),
+        "config": cfg.to_dict() | {"seq_len": s.seq_len, "overwrite": False} | s.settings.as_flags(),
         "plan": {
             "global_batch": s.plan.global_batch,
             "micro_batch": s.plan.micro_batch,
@@ -766,20 +771,6 @@ def _run_record(s: Setup, cfg: TrainConfig) -> dict:
             "total_steps": s.total_steps,
         },
         "resumed_from": str(s.resume.path) if s.resume else None,
-    }
-
-
-def settings_as_flags(settings: ShardSettings) -> dict:
-    """The sharding settings as resolved (flags, else the accelerate config, else defaults), as the
-    flags that give them: `--recipe config.json` without the accelerate config trains the same.
-    Compile left to the run's measurement stays unset: the run decides again."""
-    return {
-        "precision": "bf16" if settings.bf16 else "fp32",
-        "reshard_after_forward": settings.reshard_after_forward,
-        "activation_checkpointing": settings.activation_checkpointing,
-        "offload_params": settings.offload_params,
-        "rank0_loading": settings.rank0_loading,
-        "compile": None if settings.compile_auto else settings.compile,
     }
 
 

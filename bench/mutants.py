@@ -402,7 +402,7 @@ MUTANTS = [
            'if fields["origin_samples"] < fields["origin_step"]:', (TRUST, "-k", "edited_meta")),
     # --- data review, 4 Dec: the cache's bytes, rows that are not data ---------------------------
     Mutant("store: a sample read without checking its block", "accum_cli/store.py",
-           "            self._check(name, start, stop, itemsize)\n", "            pass\n",
+           "            self._check(name, array, start, stop)\n", "            pass\n",
            ("tests/test_data.py", "-k", "changed_byte")),
     Mutant("sources: hidden files of a dataset folder read as data", "accum_cli/sources.py",
            'candidates = [p for p in path.rglob("*") if not _hidden(p.relative_to(path))]',
@@ -479,7 +479,7 @@ MUTANTS = [
     Mutant("runtime: a hung peer is not a lost peer", "accum_cli/runtime.py",
            '"gloo/transport/")', '"gloo/transport/tcp/pair")', ("tests/test_runtime.py",)),
     Mutant("train: config.json leaves the accelerate config's settings unrecorded", "accum_cli/train.py",
-           '"overwrite": False} | settings_as_flags(s.settings),', '"overwrite": False},',
+           '"overwrite": False} | s.settings.as_flags(),', '"overwrite": False},',
            ("tests/test_launchers.py", "-k", "cpu_fsdp")),
     Mutant("train: the preemption checkpoint records the data position a step behind", "accum_cli/train.py",
            "path = save_checkpoint(done, samples, draw=False)",
