@@ -555,14 +555,20 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
 def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
-    if s.layout.layout == layout.REPLICATE:
+    replicated = s.layout.layout == layout.REPLICATE
+    if rt.device.type == "cpu":  # malloc set for what the layout is for (hostmem.py)
+        if replicated and hostmem.keep_the_heap():
+            host = "freed tensors kept on the heap for the next microbatch (fixed mmap and trim thresholds)"
+        elif not replicated and hostmem.follow_live_tensors():
+            host = "freed tensors go back to the system (fixed mmap threshold)"
+        else:
+            host = None
+        if host and rt.is_main:
+            print(f"  {'host memory':<18}{host}", flush=True)
+    if replicated:
         model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
         wrapped = modeling.describe_replicated(model)
     else:
-        if rt.device.type == "cpu":  # sharding is for memory: hand freed tensors back (hostmem.py)
-            lean = hostmem.follow_live_tensors()
-            if lean and rt.is_main:
-                print(f"  {'host memory':<18}freed tensors go back to the system (fixed mmap threshold)", flush=True)
         model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
         wrapped = modeling.describe_sharding(model)
     if rt.is_main:

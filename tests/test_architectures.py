@@ -221,6 +221,9 @@ def test_header_names_attention_and_sharding(workdir, models, tmp_path):
     _, output = train_in_process(cli_args(models("bloom"), workdir / "data.jsonl", tmp_path / "b", 12, "every"))
     assert "eager (BloomForCausalLM has no sdpa; its default)" in output
     assert "2 x BloomBlock" in output
+    _, output = train_in_process(cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "r", 12, "auto"))
+    assert "replicated: all " in output
+    assert "host memory       freed tensors kept on the heap for the next microbatch" in output  # hostmem.py
 
 
 @pytest.mark.parametrize(
