@@ -60,7 +60,7 @@ def microbatch():
 for _ in range(10):
     microbatch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(40):
     microbatch()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -76,13 +76,13 @@ def faults(mode: str, **extra: str) -> tuple[str, int]:
 
 def test_glibc_alone_faults_the_heap_back_in_and_the_kept_heap_does_not():
     """glibc trims the heap's top once 2 x its threshold is free there, and the next microbatch
-    faults those pages back in: 6,600-19,000 minor faults over 20 microbatches in six runs here;
-    0-512 with the heap kept."""
-    assert faults("default")[1] > 3000  # the problem is real here
+    faults those pages back in: 12,500-28,000 minor faults over 40 microbatches in eight runs here;
+    1-1,700 with the heap kept (its own growth, once, in bursts of one tensor's pages)."""
+    assert faults("default")[1] > 8000  # the problem is real here
     was_set, count = faults("heap")
-    assert was_set == "True" and count < 1500
+    assert was_set == "True" and count < 4000
 
 
 def test_the_users_own_trim_setting_stands():
     was_set, count = faults("heap", MALLOC_TRIM_THRESHOLD_=str(128 * 2**10))
-    assert was_set == "False" and count > 3000  # theirs (trim at 128 KiB, no dynamic threshold) rules
+    assert was_set == "False" and count > 8000  # theirs (trim at 128 KiB, no dynamic threshold) rules
