@@ -48,6 +48,7 @@ from accum_cli.sources import Rows, rows_of
 from accum_cli.store import IGNORE_INDEX, Chunk, Prepared, Writer, damaged, read_meta, token_dtype
 
 PREP_VERSION = 3  # 3: block digests in meta.json
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
 BATCH_ROWS = 1000  # rows per chunk at most
 BATCH_BYTES = 4 << 20  # raw bytes per chunk, about: long documents make chunks of fewer rows
 PARALLEL_ABOVE_BYTES = 16 << 20  # below this, worker processes cost more than they save
@@ -211,19 +212,38 @@ def _text(batch, tokenizer, options: Options):
     return ids, None
 
 
-def _template(tokenizer, messages, **kwargs) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+def _template(tokenizer, messages, row: int, **kwargs) -> list[int]:
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    except Exception as exc:  # the template's own raise_exception (roles must alternate, ...), jinja errors
+        raise BadRow(row, f"the chat template cannot render it ({first_line(exc)})") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _turn(turn):
+    """A turn as a dict. Where the turns of a file have differing keys (a `name`, tool calls),
+    `datasets` types them as JSON, and Arrow hands each over as its JSON text: decoded here, as
+    streaming already gives them."""
+    if isinstance(turn, str):
+        try:
+            return json.loads(turn)
+        except ValueError:
+            return turn  # plain text, not a turn: refused below
+    return turn
 
 
 def _chat(batch, tokenizer, options: Options):
     all_ids, all_labels = [], []
     for row, messages in enumerate(batch["messages"]):
+        if isinstance(messages, list):
+            messages = [_turn(m) for m in messages]
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise BadRow(row, "messages is not a list of turns, each with a role")
-        ids = _template(tokenizer, messages)
+        if not messages:
+            raise BadRow(row, "messages is empty: a conversation needs at least one turn")
+        ids = _template(tokenizer, messages, row)
         if options.train_on_prompt:
             labels = list(ids)
         else:
@@ -233,9 +253,9 @@ def _chat(batch, tokenizer, options: Options):
             for i, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
-                start = len(_template(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-                end = len(_template(tokenizer, messages[: i + 1]))
-                if _template(tokenizer, messages[: i + 1]) != ids[:end]:
+                start = len(_template(tokenizer, messages[:i], row, add_generation_prompt=True)) if i else 0
+                end = len(_template(tokenizer, messages[: i + 1], row))
+                if _template(tokenizer, messages[: i + 1], row) != ids[:end]:
                     raise UserError(
                         "the chat template does not render conversations prefix by prefix; use --train-on-prompt"
                     )
@@ -494,6 +514,13 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
         check_trainable(stats, options)
         (work / "meta.json").write_text(json.dumps(meta | {"key": key, "stats": asdict(stats)}))
         publish(work, root / key)
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        raise UserError(
+            f"the data cache {root} has no room for the prepared data ({exc.strerror}); "
+            "free space there or set ACCUM_TRAIN_CACHE to a folder on another disk"
+        ) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -601,6 +601,75 @@ def test_chat_rows_that_are_not_turns_are_named(model):
             prepare.make_rows({"messages": [good, bad]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
 
 
+def test_chat_turns_with_differing_keys_are_prepared_as_turns(model, tmp_path):
+    """Turns of differing keys (a system turn with a `name`) make `datasets` type them as JSON,
+    which Arrow hands over as text: prepared, they give the ids of the same turns without it
+    (the template ignores `name`), as streaming does."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"},
+             {"role": "assistant", "content": "a" * (i + 1)}] for i in range(6)]  # fmt: skip
+    for name, named in (("plain", False), ("named", True)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for turns in rows:
+                f.write(json.dumps({"messages": [dict(t, name="x") if named and t["role"] == "system" else t
+                                                 for t in turns]}) + "\n")  # fmt: skip
+    prepared = {}
+    for name in ("plain", "named"):
+        raw = datasets.load_dataset("json", data_files=str(tmp_path / f"{name}.jsonl"), split="train")
+        data, _, _ = prepare_here(raw, tokenizer, prepare.Options(64))
+        prepared[name] = [[t.tolist() for t in data.sample(i)[:2]] for i in range(len(data))]
+    assert "Json" in repr(raw.features["messages"])  # the case at hand: this datasets types them as JSON
+    assert prepared["named"] == prepared["plain"] and len(prepared["plain"]) == 6
+
+
+def test_a_conversation_the_template_cannot_render_is_named(model):
+    """An empty conversation, and a template's own refusal (Llama 2's and Mistral's raise on
+    roles that do not alternate), are one line naming the row, not a traceback."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(prepare.UserError, match=r"row 8 of the dataset \(counting from 0\): messages is empty"):
+        prepare.make_rows({"messages": [good, []]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(
+        prepare.UserError,
+        match=r"row 8 .*: the chat template cannot render it \(Conversation roles must alternate user/assistant\)",
+    ):
+        prepare.make_rows({"messages": [good, good[::-1]]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+
+
+def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(model, tmp_path):
+    """The cache's disk fills up mid-way (a file-size limit stands in: the same writes fail, with
+    EFBIG instead of ENOSPC): one line naming the cache and the fix, exit 2, no folder left."""
+    import resource
+
+    data = tmp_path / "big.jsonl"
+    data.write_text("".join(json.dumps({"text": sentence(i, 60)}) + "\n" for i in range(1500)))  # ~400K tokens
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "accum_cli", "--prepare-only", "--model", str(model), "--dataset", str(data),
+           "--seq-len", "64", "--global-batch", "2", "--num-proc", "1", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+
+    def limit_file_size():  # 256 KiB: the tokens (2 bytes each) do not fit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 2**10, resource.RLIM_INFINITY))
+
+    result = subprocess.run(cmd, cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(cache)), capture_output=True, text=True,
+                            timeout=300, preexec_fn=limit_file_size)  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"accum-train: error: the data cache {cache} has no room for the prepared data (File too large); "
+        "free space there or set ACCUM_TRAIN_CACHE to a folder on another disk"
+    ]
+    assert cache_entries(cache) == [], "nothing half-written is left in the cache"
+
+
 def test_hidden_files_in_a_dataset_folder_are_not_data(tmp_path):
     """As `datasets` reads a folder: Jupyter's autosaved copies, a .git, __pycache__ are not rows
     (a notebook's checkpoint copy would train every row twice)."""
