@@ -73,7 +73,9 @@ class TrainConfig:
                                  MODEL_DATA, none_means="the embedded corpus")  # fmt: skip
     dataset_config: str | None = option(None, "Hub datasets: configuration (subset) name.", MODEL_DATA,
                                         none_means="the dataset's default")  # fmt: skip
-    split: str = option("train", "Hub datasets: the split to train on.", MODEL_DATA)
+    split: str = option(
+        "train", "The split to train on: a hub dataset's, or a local folder's split by its file names.", MODEL_DATA
+    )
     text_column: str = option("text", "Column with raw text (not used for input_ids data).", MODEL_DATA)
     packing: bool | None = option(
         None, "Join documents with EOS into --seq-len blocks, or one document per row (truncated, padded).",

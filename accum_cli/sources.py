@@ -109,7 +109,7 @@ def load_raw(
         return embedded.to_iterable_dataset() if streaming else rows_of(embedded)
     check_exists(dataset, flag)
     if is_local(dataset):
-        files = local_files(dataset, flag)
+        files = local_files(dataset, flag, split if flag == "--dataset" else None)  # evaluation: no split to pick
         if all(f.stat().st_size == 0 for f in files):  # the parsers fail on these with no useful message
             raise UserError(f"{flag} {dataset} is empty; pass a dataset with at least one row")
         builder = FILE_BUILDERS[files[0].suffix]
@@ -158,6 +158,40 @@ def _local_rows(builder: str, files: list[Path], stream) -> Rows:
     return Rows(_tables_of(stream), fingerprint, columns, stream.features, None if first else 0, nbytes)
 
 
+def _named_splits(folder: Path) -> dict[str, list[Path]]:
+    """{split: files} where names in the folder split it as `datasets` splits them; {} where
+    nothing does (every file is then training data)."""
+    from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
+
+    patterns = get_data_patterns(str(folder))
+    if patterns == DEFAULT_PATTERNS_ALL:
+        return {}
+    resolved = DataFilesDict.from_patterns(patterns, base_path=str(folder))
+    return {str(name): [Path(f) for f in files] for name, files in resolved.items()}
+
+
+def _split_files(dataset: str, flag: str, split: str | None, splits: dict, candidates: list[Path]) -> list[Path]:
+    """The candidates of `split`; a file in no split, a split not there, or an evaluation folder
+    (no split to pick) refused in one line."""
+    path = Path(dataset).expanduser()
+    names = ", ".join(sorted(splits))
+    said = f"{flag} {dataset} is split by its file names into {names} (as `datasets` reads a folder)"
+    in_a_split = {p.resolve() for files in splits.values() for p in files}
+    stray = [p for p in candidates if p.is_file() and p.suffix in FILE_BUILDERS and p.resolve() not in in_a_split]
+    if stray:
+        raise UserError(
+            f"{said}, but {stray[0].relative_to(path)} is in none of them; rename it into one, or pass the "
+            "files to train on as a glob"
+        )
+    if split is None:
+        example = sorted(splits.get("validation") or splits.get("test") or next(iter(splits.values())))[0]
+        raise UserError(f"{said}; pass the evaluation files themselves, e.g. {example}")
+    if split not in splits:
+        raise UserError(f"{said}, none of them {split!r}; pass --split {' or '.join(sorted(splits))}")
+    chosen = {p.resolve() for p in splits[split]}
+    return [p for p in candidates if p.resolve() in chosen]
+
+
 def local_origin(files: list[Path]) -> list:
     """The files as they are now: an edited file is other data."""
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
@@ -167,14 +201,20 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith((".", "__")) for part in relative.parts)
 
 
-def local_files(dataset: str, flag: str = "--dataset") -> list[Path]:
+def local_files(dataset: str, flag: str = "--dataset", split: str | None = "train") -> list[Path]:
+    """The files of a local dataset. A folder is read as `datasets` reads one: not what is hidden
+    (.ipynb_checkpoints, .git, __pycache__), and where file or folder names split it (train.jsonl
+    and test.jsonl, validation/...) only the files of `split`: never a test split trained on."""
     path = Path(dataset).expanduser()
     if _is_glob(dataset):
         candidates = [Path(p) for p in glob.glob(str(path), recursive=True)]
     elif path.is_file():
         candidates = [path]
-    else:  # as `datasets` reads a folder: not what is hidden (.ipynb_checkpoints, .git, __pycache__)
+    else:
         candidates = [p for p in path.rglob("*") if not _hidden(p.relative_to(path))]
+        splits = _named_splits(path)
+        if splits:
+            candidates = _split_files(dataset, flag, split, splits, candidates)
     files = sorted(p for p in candidates if p.is_file() and p.suffix in FILE_BUILDERS)
     if not files:
         if path.is_file():

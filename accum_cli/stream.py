@@ -80,7 +80,7 @@ def identity(dataset: str | None, config_name: str | None, split: str, source: S
     if dataset is None:
         origin = ["embedded", Hasher.hash(sources.embedded_documents())]
     elif sources.is_local(dataset):  # the files as they are now: an edited file is other data
-        origin = sources.local_origin(sources.local_files(dataset))
+        origin = sources.local_origin(sources.local_files(dataset, split=split))
     else:  # a hub dataset: its id (a new revision on the hub is not seen)
         origin = [dataset, config_name, split]
     job = source.job

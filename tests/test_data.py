@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -678,14 +679,45 @@ def test_hidden_files_in_a_dataset_folder_are_not_data(tmp_path):
     (tmp_path / "data" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "data" / "__pycache__").mkdir()
     (tmp_path / "data" / "part").mkdir()
-    for name in ("train.jsonl", ".ipynb_checkpoints/train-checkpoint.jsonl", "__pycache__/x.jsonl",
+    for name in ("a.jsonl", ".ipynb_checkpoints/train-checkpoint.jsonl", "__pycache__/x.jsonl",
                  ".hidden.jsonl", "part/b.jsonl"):  # fmt: skip
         (tmp_path / "data" / name).write_text('{"text": "a"}\n')
-    assert sources.local_files(str(tmp_path / "data")) == [tmp_path / "data" / "part" / "b.jsonl",
-                                                          tmp_path / "data" / "train.jsonl"]  # fmt: skip
+    assert sources.local_files(str(tmp_path / "data")) == [tmp_path / "data" / "a.jsonl",
+                                                          tmp_path / "data" / "part" / "b.jsonl"]  # fmt: skip
     (tmp_path / ".data").mkdir()  # a hidden folder named as the dataset is what the user asked for
     (tmp_path / ".data" / "a.jsonl").write_text('{"text": "a"}\n')
     assert sources.local_files(str(tmp_path / ".data")) == [tmp_path / ".data" / "a.jsonl"]
+
+
+def test_a_folder_split_by_file_names_trains_on_its_train_split_alone(tmp_path):
+    """As `datasets` reads a folder: train.jsonl and test.jsonl are two splits, and --split picks
+    one (a test split trained on would leak the evaluation into training). A file in no split, a
+    split not there, and an evaluation folder with splits to pick from are one line each."""
+    from accum_cli import sources
+
+    def folder(name: str, *files: str) -> str:
+        for file in files:
+            (tmp_path / name / file).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / file).write_text('{"text": "a"}\n')
+        return str(tmp_path / name)
+
+    data = folder("data", "train.jsonl", "train-2.jsonl", "test.jsonl", "my-val.jsonl", ".hidden/test.jsonl")
+    assert sources.local_files(data) == [tmp_path / "data" / "train-2.jsonl", tmp_path / "data" / "train.jsonl"]
+    assert sources.local_files(data, split="test") == [tmp_path / "data" / "test.jsonl"]
+    assert sources.local_files(data, split="validation") == [tmp_path / "data" / "my-val.jsonl"]
+    said = f"--dataset {data} is split by its file names into test, train, validation"
+    with pytest.raises(sources.UserError, match=re.escape(f"{said} (as `datasets` reads a folder), none of them 'dev'; "
+                                                          "pass --split test or train or validation")):  # fmt: skip
+        sources.local_files(data, split="dev")
+    with pytest.raises(sources.UserError, match=re.escape(f"pass the evaluation files themselves, e.g. "
+                                                          f"{tmp_path / 'data' / 'my-val.jsonl'}")):  # fmt: skip
+        sources.local_files(data, "--eval-dataset", split=None)
+    by_folder = folder("by-folder", "train/a.jsonl", "train/b.jsonl", "validation/c.jsonl")
+    assert sources.local_files(by_folder) == [tmp_path / "by-folder" / "train" / "a.jsonl",
+                                              tmp_path / "by-folder" / "train" / "b.jsonl"]  # fmt: skip
+    (tmp_path / "data" / "more.jsonl").write_text('{"text": "a"}\n')  # datasets would leave it out, unsaid
+    with pytest.raises(sources.UserError, match=r"but more.jsonl is in none of them; rename it into one"):
+        sources.local_files(data)
 
 
 def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp_path):
