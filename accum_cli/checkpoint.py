@@ -195,6 +195,10 @@ def _read_meta(path: Path, flag: str) -> Meta:
             raise UserError(f"{flag} {path}: no complete checkpoint under {path / CHECKPOINTS}")
         path = found
     meta_file = path / META
+    if not meta_file.is_file() and (path / "config.json").is_file() and not (path / ".metadata").exists():
+        raise UserError(
+            f"{flag} {path} is a model (a final/ or an export), not a checkpoint; pass OUTPUT_DIR/checkpoints/step-N"
+        )
     if not meta_file.is_file():
         raise UserError(f"{flag} {path} is incomplete (no {META}: the save did not finish); resume an earlier one")
     try:
@@ -421,6 +425,22 @@ def full_disk(code: int | None, need: int, folder: Path) -> str | None:
 
 def _mb(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:,.1f} MB"
+
+
+def set_aside_later(root: Path, step: int) -> list[str]:
+    """A run resumed from step N in a folder holding later checkpoints (a rewind, after a loss
+    spike say) makes them another future: renamed `rewound-step-M` (kept, never deleted), so that
+    neither pruning nor --resume auto takes them for this run's. Returns the new names."""
+    moved = []
+    for path in complete_checkpoints(root):
+        if step_of(path) > step and outdir.is_marked(path):
+            target = path.with_name(f"rewound-{path.name}")
+            suffix = 1
+            while target.exists():  # rewound twice past the same step
+                target, suffix = path.with_name(f"rewound-{path.name}.{suffix}"), suffix + 1
+            path.rename(target)
+            moved.append(target.name)
+    return moved
 
 
 def prune(root: Path, keep: int) -> None:

@@ -42,6 +42,15 @@ def is_marked(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def marked_as(folder: Path) -> str | None:
+    """What accum-train wrote `folder` as ("run", "checkpoint", "final model"), or None."""
+    try:
+        what = json.loads((folder / MARKER).read_text()).get("what")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return what if isinstance(what, str) else None
+
+
 def someone_elses(path: Path) -> bool:
     """A path where accum-train would stage a folder that is already there and not its own (a
     link counts: what it points at is elsewhere); never removed."""
@@ -97,6 +106,12 @@ def check(out: Path, overwrite: bool, resuming: bool) -> None:
         raise UserError(
             f"--output-dir {out}: {links[0]} is a symbolic link, and accum-train writes and removes only "
             "files and folders of its own there; remove the link or pick another --output-dir"
+        )
+    kind = marked_as(out)
+    if kind not in (None, "run"):  # training there would write a run's files into a checkpoint or a model
+        raise UserError(
+            f"--output-dir {out} is a {kind} accum-train wrote, not a run folder; pass the run's own folder "
+            "as --output-dir (and a checkpoint to --resume)"
         )
     foreign = _foreign_entries(out)
     if foreign:

@@ -326,6 +326,13 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         raise UserError(
             f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
         )
+    final = out / "final"
+    if meta is not None and final.is_dir() and not outdir.is_marked(final) and any(final.iterdir()):
+        # A finished run's export is fine (above); training on would write final/ at the end.
+        raise UserError(
+            f"--output-dir {out}: its final/ holds a model accum-train did not write (an export?) and the run "
+            f"would write its own there after step {total_steps}; move it away first (mv {final} {out / 'final.old'})"
+        )
     if meta is not None and meta.data != data_id and not cfg.allow_data_change:
         raise UserError(
             f"--resume {meta.path} was trained on other data (the dataset, its preparation, --seed or "
@@ -610,6 +617,9 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         origin = (s.resume.origin_step, s.resume.origin_samples) if same_batch else (start_step, first_sample)
         if rt.is_main:
             print(f"checkpoint loaded in {seconds:.2f} s", flush=True)
+            rewound = checkpoint.set_aside_later(s.output_dir, start_step)
+            if rewound:
+                print(f"rewound to step {start_step}: later checkpoints kept aside as {', '.join(rewound)}", flush=True)
 
     trackers = None
     if rt.is_main:

@@ -86,6 +86,49 @@ def test_checkpoints_are_complete_and_pruned(root, uninterrupted, tmp_path):
     assert sorted(p.name for p in (pruned / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
 
 
+def test_a_rewind_sets_later_checkpoints_aside_and_wrong_folders_are_refused(root, uninterrupted, tmp_path):
+    """Found by a review, each seen going wrong first. A run resumed from an older checkpoint of
+    its folder (a rewind) had its new checkpoints pruned in favour of the abandoned later ones,
+    which --resume auto then took; a checkpoint or final/ given as --output-dir was trained into
+    (its config.json replaced); --resume final/ was called an unfinished save; an exported final/
+    was refused only after the resumed training."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted[1], out)  # checkpoints at steps 2, 4 and 6, and final/
+    rewound = ok(run_cli(args(root, out, 4, 3, "--checkpoint-every", "1", "--keep-checkpoints", "2",
+                              "--resume", str(out / "checkpoints" / "step-000002"))))  # fmt: skip
+    assert "rewound to step 2: later checkpoints kept aside as rewound-step-000004, rewound-step-000006" in rewound.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "rewound-step-000004", "rewound-step-000006", "step-000002", "step-000003"]  # fmt: skip
+    assert_losses_match(read_metrics(out)[2:], read_metrics(uninterrupted[1])[2:3], 1e-5)  # step 3, as before
+    auto = ok(run_cli(args(root, out, 4, 4, "--resume", "auto")))
+    assert "step-000003" in auto.stdout and [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+
+    checkpoint_dir = out / "checkpoints" / "step-000003"
+    before = (checkpoint_dir / "config.json").read_bytes()
+    for target, kind in ((checkpoint_dir, "checkpoint"), (out / "final", "final model")):
+        refused = run_cli(args(root, target, 4, 1, "--resume", "auto"))
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.strip().splitlines() == [
+            f"accum-train: error: --output-dir {target} is a {kind} accum-train wrote, not a run folder; pass the "
+            "run's own folder as --output-dir (and a checkpoint to --resume)"
+        ]
+    assert (checkpoint_dir / "config.json").read_bytes() == before and not (checkpoint_dir / "checkpoints").exists()
+
+    refused = run_cli(args(root, tmp_path / "other", 4, 6, "--resume", str(out / "final")))
+    assert refused.returncode == 2 and "is a model (a final/ or an export), not a checkpoint" in refused.stderr
+
+    shutil.rmtree(out / "final")
+    ok(subprocess.run([sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()",
+                       str(out / "checkpoints" / "step-000003"), str(out / "final")],
+                      cwd=REPO, env=env(), capture_output=True, text=True, timeout=120))  # fmt: skip
+    refused = run_cli(args(root, out, 4, 6, "--resume", str(out / "checkpoints" / "step-000003")))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "its final/ holds a model accum-train did not write (an export?)" in refused.stderr
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4], "refused before any step"
+
+
 def test_any_layout_is_the_same_training(uninterrupted):
     assert_losses_match(read_metrics(uninterrupted[1]), read_metrics(uninterrupted[2]), 1e-5)
 
