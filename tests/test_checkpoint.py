@@ -98,7 +98,9 @@ def test_a_rewind_sets_later_checkpoints_aside_and_wrong_folders_are_refused(roo
     shutil.copytree(uninterrupted[1], out)  # checkpoints at steps 2, 4 and 6, and final/
     rewound = ok(run_cli(args(root, out, 4, 3, "--checkpoint-every", "1", "--keep-checkpoints", "2",
                               "--resume", str(out / "checkpoints" / "step-000002"))))  # fmt: skip
-    assert "rewound to step 2: later checkpoints kept aside as rewound-step-000004, rewound-step-000006" in rewound.stdout
+    assert (
+        "rewound to step 2: later checkpoints kept aside as rewound-step-000004, rewound-step-000006" in rewound.stdout
+    )
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "rewound-step-000004", "rewound-step-000006", "step-000002", "step-000003"]  # fmt: skip
     assert_losses_match(read_metrics(out)[2:], read_metrics(uninterrupted[1])[2:3], 1e-5)  # step 3, as before
