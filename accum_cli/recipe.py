@@ -60,9 +60,39 @@ def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     return int(text, 10)  # SafeLoader's own would read 064 as octal
 
 
+class DuplicateKey(ValueError):
+    """A key written twice in one mapping: YAML and JSON readers keep the last one, unsaid."""
+
+    def __init__(self, key: str, lines: tuple[int, int] | None = None):
+        super().__init__(key)
+        self.key, self.lines = key, lines
+
+
 @_with_yaml12_numbers
 class Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader (no Python objects) reading numbers per YAML 1.2."""
+    """SafeLoader (no Python objects) reading numbers per YAML 1.2, refusing a key given twice
+    (a copy-paste leftover `lr: 5` below `lr: 1e-3` would win). Keys a `<<` merge brings in may
+    be overridden: that is what merging is for."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in first_line:
+                    raise DuplicateKey(key_node.value, (first_line[key], line))
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise DuplicateKey(key)
+    return dict(pairs)
 
 
 Yaml12Loader.add_constructor(INT_TAG, _yaml12_int)
@@ -100,7 +130,13 @@ def read_mapping(path: Path) -> dict[Any, Any]:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise UserError(f"recipe {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=Yaml12Loader)
+        if path.suffix == ".json":
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
+        else:
+            data = yaml.load(text, Loader=Yaml12Loader)
+    except DuplicateKey as exc:
+        lines = f" (lines {exc.lines[0]} and {exc.lines[1]})" if exc.lines else ""
+        raise UserError(f"recipe {path}: key {quote(exc.key)} appears twice{lines}; keep one") from None
     except (yaml.YAMLError, ValueError) as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else f" (line {exc.lineno})" if hasattr(exc, "lineno") else ""

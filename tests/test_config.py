@@ -36,6 +36,9 @@ def test_recipe_overrides_defaults_and_flags_override_recipe(tmp_path):
         ("max_steps: true", "must be int"),
         ("sync: 3", "must be str"),
         ("seq_len: 1.5", "must be int"),
+        # A key written twice: YAML and JSON readers would keep the last, unsaid.
+        ("lr: 1e-3\nglobal_batch: 64\nlr: 5", r"key 'lr' appears twice \(lines 1 and 3\); keep one"),
+        ("{lr: 1e-3, lr: 5}", r"key 'lr' appears twice \(lines 1 and 1\)"),
     ],
 )
 def test_bad_recipes(tmp_path, text, message):
@@ -43,6 +46,16 @@ def test_bad_recipes(tmp_path, text, message):
     recipe.write_text(text)
     with pytest.raises(UserError, match=message):
         load_recipe(recipe)
+
+
+def test_a_key_twice_in_a_json_recipe_is_refused_and_a_merge_may_override(tmp_path):
+    (tmp_path / "config.json").write_text('{"lr": 0.001, "max_steps": 3, "lr": 5}')
+    with pytest.raises(UserError, match=r"key 'lr' appears twice; keep one"):
+        load_recipe(tmp_path / "config.json")
+    (tmp_path / "merged.yaml").write_text("base: &b\n  lr: 1\nrun:\n  <<: *b\n  lr: 2\n")
+    from accum_cli.recipe import read_mapping
+
+    assert read_mapping(tmp_path / "merged.yaml")["run"] == {"lr": 2}  # what merging is for
 
 
 def test_validation_collects_every_problem():
