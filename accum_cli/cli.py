@@ -165,6 +165,12 @@ def main(
             raise UserError("--resume auto continues a run and --overwrite discards it; pass one of them")
         if world_size is not None and not plan:  # before a launch: the workers would each refuse it
             raise UserError("--world-size only applies with --plan; a training run takes it from the launcher")
+        if not wants_launch and (nnodes != 1 or node_rank != 0 or master_addr is not None or master_port is not None):
+            # Else each machine of a multi-node command missing --nproc trains alone, unsaid.
+            raise UserError(
+                "--nnodes, --node-rank, --master-addr and --master-port apply with --nproc N (or "
+                "--accelerate-config FILE), which starts the workers; add --nproc"
+            )
         if wants_launch:
             if plan:
                 raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")

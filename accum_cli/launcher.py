@@ -53,6 +53,13 @@ class Launch:
             raise UserError(f"--node-rank must lie in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UserError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
+        if self.master_addr is not None and not self.master_addr.strip():
+            raise UserError("--master-addr is empty; pass the address of the machine with node rank 0")
+        if self.accelerate_config is not None and not self.accelerate_config.strip():
+            raise UserError("--accelerate-config is empty; pass a file from recipes/accelerate/, or drop it")
+        if self.nnodes > 1 and self.master_addr is None and not self.accelerate_config:
+            # 127.0.0.1 would have every machine wait for a node 0 of its own, for ever
+            raise UserError(f"--nnodes {self.nnodes} needs --master-addr: the address of the machine with node rank 0")
         if self.accelerate_config and not Path(self.accelerate_config).is_file():
             raise UserError(
                 f"--accelerate-config {self.accelerate_config} does not exist; pass a file from recipes/accelerate/"
@@ -139,6 +146,7 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
     """Start the workers and wait. Returns the first failing worker's exit code, and what
     happened to a worker that died without reporting (killed by a signal), if one did."""
     import torch
+    from accelerate.commands import launch as accelerate_launch
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     if not torch.cuda.is_available():
@@ -147,6 +155,11 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
     # The workers report their own failures in one line; the agent's log lines would bury it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = launch_command_parser().parse_args(accelerate_args(launch, mixed_precision, forwarded))
+    if not launch.accelerate_config:
+        # Accelerate would read the user's default config (`accelerate config`, made for other
+        # projects) and apply its FSDP, precision and machine settings to this run unasked, or
+        # fail with a traceback on a broken one: the wrapper's flags alone decide.
+        accelerate_launch.default_config_file = os.devnull  # not a file: Accelerate finds no default
     try:
         launch_command(args)
     except subprocess.CalledProcessError as exc:  # one process: Accelerate's simple launcher

@@ -143,8 +143,27 @@ def test_the_wrapper_refuses_bad_launch_flags_before_starting_anything(setup, tm
         (["--nproc", "3", "--replicas", "2"], "--replicas 2 does not divide the world size 3"),
         (["--nproc", "2", "--plan"], "--plan does not start processes"),
         (["--accelerate-config", "nope.yaml"], "--accelerate-config nope.yaml does not exist"),
+        # Without --nproc each machine of a multi-node command trained alone, unsaid.
+        (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"], "apply with --nproc N"),
+        (["--master-port", "99999"], "apply with --nproc N"),
+        # An unset variable, or no address at all: every node waited for a node 0 of its own.
+        (["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--master-addr", ""], "--master-addr is empty"),
+        (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --master-addr"),
+        (["--nproc", "2", "--accelerate-config", ""], "--accelerate-config is empty"),
     ]:
         result = run([sys.executable, "-m", "accum_cli", *common(setup, out), *flags], timeout=60)
         assert result.returncode == 2, (flags, result.stdout + result.stderr)
         assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr, result.stderr
         assert not out.exists()
+
+
+def test_the_wrapper_ignores_the_users_default_accelerate_config(setup, tmp_path):
+    """`accelerate config` writes a default for every project; the wrapper's flags alone decide
+    (Accelerate read it: a broken one ended in a traceback, a valid one turned on its FSDP settings)."""
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text("compute_environment: [LOCAL_MACHINE\n")  # broken YAML
+    result = subprocess.run([sys.executable, "-m", "accum_cli", "--nproc", "1", *common(setup, tmp_path / "run")],
+                            cwd=REPO, env=env(HF_HOME=str(tmp_path / "hf")), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
