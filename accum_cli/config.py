@@ -188,7 +188,17 @@ class TrainConfig:
             text = self.micro_batch.strip()
             self.micro_batch = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else self.micro_batch
         problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
-        for name in ("model", "dataset", "eval_dataset", "text_column"):  # "" from an unset shell variable
+        # "" from an unset shell variable: never taken for the default (no tracker, a run named after its folder)
+        for name in (
+            "model",
+            "dataset",
+            "eval_dataset",
+            "text_column",
+            "dataset_config",
+            "split",
+            "run_name",
+            "report_to",
+        ):
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")

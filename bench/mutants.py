@@ -437,6 +437,8 @@ MUTANTS = [
     Mutant("launcher: the user's default accelerate config read", "accum_cli/launcher.py",
            "    if not launch.accelerate_config:\n        # Accelerate would read",
            "    if False:\n        # Accelerate would read", ("tests/test_launchers.py", "-k", "default_accelerate")),
+    Mutant("config: an empty --report-to taken for none", "accum_cli/config.py",
+           '            "report_to",\n        ):', "        ):", ("tests/test_bad_input.py", "-k", "report")),
     Mutant("train: a replicated CPU run leaves malloc as it is", "accum_cli/train.py",
            "        if replicated and hostmem.keep_the_heap():", "        if replicated and False:",
            ("tests/test_architectures.py", "-k", "header")),

@@ -236,6 +236,9 @@ CASES = [
     # "" from an unset shell variable ("--dataset $DATA") is not the default it would silently become
     (["--dataset="], "--dataset is empty; pass a value or leave the flag out"),
     (["--model="], "--model is empty; pass a value or leave the flag out"),
+    (["--report-to="], "--report-to is empty; pass a value or leave the flag out"),  # no tracker, unsaid
+    (["--run-name="], "--run-name is empty; pass a value or leave the flag out"),
+    (["--split="], "--split is empty; pass a value or leave the flag out"),
     (["--recipe="], "--recipe is empty; pass a YAML file"),
     (["--recipe", "{twice.yaml}"], "key 'global_batch' sets global_batch a second time; keep one of them"),
     (["--plan", "--prepare-only"], "--plan prints the plan without touching the data; drop --plan or --prepare-only"),
