@@ -25,12 +25,17 @@ print(rss_mib() - before)
 """
 
 
-def retained_mib(mode: str, **extra: str) -> tuple[str, int]:
-    result = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=REPO, env=env(**extra),
+def in_fresh_process(script: str, mode: str, **extra: str) -> tuple[str, int]:
+    """What `script` prints (whether malloc was set, then a count), run in a new Python process."""
+    result = subprocess.run([sys.executable, "-c", script, mode], cwd=REPO, env=env(**extra),
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    was_set, retained = result.stdout.split()
-    return was_set, int(retained)
+    was_set, count = result.stdout.split()
+    return was_set, int(count)
+
+
+def retained_mib(mode: str, **extra: str) -> tuple[str, int]:
+    return in_fresh_process(SCRIPT, mode, **extra)
 
 
 def test_glibc_alone_keeps_freed_tensors_and_the_fixed_threshold_returns_them():
@@ -67,11 +72,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def faults(mode: str, **extra: str) -> tuple[str, int]:
-    result = subprocess.run([sys.executable, "-c", FAULTS, mode], cwd=REPO, env=env(**extra),
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    was_set, count = result.stdout.split()
-    return was_set, int(count)
+    return in_fresh_process(FAULTS, mode, **extra)
 
 
 def test_glibc_alone_faults_the_heap_back_in_and_the_kept_heap_does_not():
