@@ -88,10 +88,11 @@ class Yaml12Loader(yaml.SafeLoader):
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    for key in keys:
-        if keys.count(key) > 1:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
             raise DuplicateKey(key)
+        seen.add(key)
     return dict(pairs)
 
 

@@ -422,7 +422,7 @@ MUTANTS = [
            "                if key in first_line:\n", "                if False:\n",
            ("tests/test_config.py", "-k", "bad_recipes")),
     Mutant("recipe: a JSON key written twice keeps the last", "accum_cli/recipe.py",
-           "        if keys.count(key) > 1:\n", "        if False:\n", ("tests/test_config.py", "-k", "json_recipe")),
+           "        if key in seen:\n", "        if False:\n", ("tests/test_config.py", "-k", "json_recipe")),
     Mutant("cli: launch flags without --nproc ignored", "accum_cli/cli.py",
            "        if not wants_launch and (nnodes != 1", "        if False and (nnodes != 1", ("tests/test_launchers.py", "-k", "refuses_bad_launch")),
     Mutant("launcher: an empty --master-addr taken for 127.0.0.1", "accum_cli/launcher.py",
