@@ -229,19 +229,31 @@ def test_overwrite_refuses_a_final_folder_of_someone_elses(root, tmp_path):
 
 
 def test_a_resumed_run_never_replaces_a_final_folder_of_someone_elses(root, tmp_path):
-    """--resume trains on; at the end final/ holds the user's files: kept, one line that says so."""
+    """--resume that would train on, with final/ holding the user's files (or an accum-export): refused
+    before the first step, in one line naming the move; the files kept. The final write itself
+    refuses them too (one appearing during the run): kept, the error says so."""
     out = tmp_path / "run"
     ok(run_cli(args(root, out, 1)))
     shutil.rmtree(out / "final")
     (out / "final").mkdir()
     (out / "final" / "precious.bin").write_bytes(b"mine")
     result = run_cli(args(root, out, 2, "--resume"))
-    assert result.returncode == 74, result.stdout + result.stderr
+    assert result.returncode == 2, result.stdout + result.stderr
     line = one_error_line(result.stderr)
-    assert "final model could not be written to" in line and "it holds files accum-train did not write" in line
-    assert "free space" not in line and "step-000002 holds the trained state" in line
+    assert "its final/ holds a model accum-train did not write" in line and f"mv {out / 'final'} " in line
+    assert [m["step"] for m in read_metrics(out)] == [1], "refused before any step"
+    assert [p.name for p in (out / "final").iterdir()] == ["precious.bin"]
+
+    from transformers import AutoModelForCausalLM
+
+    from accum_cli import model as modeling
+
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    with pytest.raises(FileExistsError, match="it holds files accum-train did not write"):
+        modeling.save_final(model, None, out / "final", True, torch.float32)
     assert [p.name for p in (out / "final").iterdir()] == ["precious.bin"]
     assert (out / "final" / "precious.bin").read_bytes() == b"mine"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".final")) == [], "no staging folder left"
 
 
 def test_files_follow_the_umask(trained):
