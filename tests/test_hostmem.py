@@ -56,6 +56,7 @@ FAULTS = """
 import resource, sys, torch
 from accum_cli import hostmem
 print(hostmem.keep_the_heap() if sys.argv[1] == "heap" else None)
+torch.set_num_threads(1)  # one thread allocating: the same sequence of mallocs and frees every run
 torch.manual_seed(0)
 mlp = lambda: [torch.nn.Linear(256, 688), torch.nn.SiLU(), torch.nn.Linear(688, 256)]
 model = torch.nn.Sequential(*mlp(), *mlp())  # a microbatch's activations: 1-3 MiB tensors
@@ -65,7 +66,7 @@ def microbatch():
 for _ in range(10):
     microbatch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(40):
+for _ in range(100):
     microbatch()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -77,13 +78,14 @@ def faults(mode: str, **extra: str) -> tuple[str, int]:
 
 def test_glibc_alone_faults_the_heap_back_in_and_the_kept_heap_does_not():
     """glibc trims the heap's top once 2 x its threshold is free there, and the next microbatch
-    faults those pages back in: 12,500-28,000 minor faults over 40 microbatches in eight runs here;
-    1-1,700 with the heap kept (its own growth, once, in bursts of one tensor's pages)."""
-    assert faults("default")[1] > 8000  # the problem is real here
-    was_set, count = faults("heap")
-    assert was_set == "True" and count < 4000
+    faults those pages back in: 38,000-82,000 minor faults over 100 microbatches in six runs here on
+    a loaded machine (once 7,044 over 40 in CI); 1,200-2,500 with the heap kept (its own growth, in
+    bursts of one tensor's pages, not one per microbatch)."""
+    was_set, kept = faults("heap")
+    assert was_set == "True" and kept < 6000
+    assert faults("default")[1] > 3 * max(kept, 1000)  # the problem is real here
 
 
 def test_the_users_own_trim_setting_stands():
     was_set, count = faults("heap", MALLOC_TRIM_THRESHOLD_=str(128 * 2**10))
-    assert was_set == "False" and count > 8000  # theirs (trim at 128 KiB, no dynamic threshold) rules
+    assert was_set == "False" and count > 15000  # theirs (trim at 128 KiB, no dynamic threshold) rules
