@@ -176,13 +176,21 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
         failures = getattr(exc, "failures", None)
         if not failures:
             raise
-        killed = {rank: f.exitcode for rank, f in failures.items() if isinstance(f.exitcode, int) and f.exitcode < 0}
-        if killed:
-            rank = min(killed)
-            return _died(rank, killed[rank])
-        first = failures[min(failures)]
-        return (first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1), None
+        return outcome({rank: f.exitcode for rank, f in failures.items()})
     return 0, None
+
+
+def outcome(exitcodes: dict[int, object]) -> tuple[int, str | None]:
+    """The wrapper's exit code, and what happened to a worker killed by a signal, from the failed
+    workers' exit codes by rank. When one worker dies, the agent sends the others SIGTERM: a rank
+    killed by another signal is the cause, whatever its rank."""
+    killed = {rank: code for rank, code in exitcodes.items() if isinstance(code, int) and code < 0}
+    causes = {rank: code for rank, code in killed.items() if code != -signal.SIGTERM} or killed
+    if causes:
+        rank = min(causes)
+        return _died(rank, causes[rank])
+    first = exitcodes[min(exitcodes)]
+    return (first if isinstance(first, int) and first > 0 else 1), None
 
 
 def _died(rank: int, exitcode: int) -> tuple[int, str]:

@@ -167,3 +167,13 @@ def test_the_wrapper_ignores_the_users_default_accelerate_config(setup, tmp_path
                             cwd=REPO, env=env(HF_HOME=str(tmp_path / "hf")), capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it():
+    """Rank 1 killed (-9), rank 0 then stopped by the agent's SIGTERM (-15): rank 1 is the cause
+    (CI once named rank 0). Only SIGTERMs: the lowest rank; exit codes alone: the lowest rank's."""
+    from accum_cli.launcher import outcome
+
+    assert outcome({0: -15, 1: -9}) == (137, "worker rank 1 was killed by SIGKILL (out of memory? killed by hand?)")
+    assert outcome({1: -15, 0: -15}) == (143, "worker rank 0 was killed by SIGTERM (out of memory? killed by hand?)")
+    assert outcome({1: 2, 0: 74}) == (74, None)
