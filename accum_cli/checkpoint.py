@@ -388,9 +388,25 @@ def _seal(tmp: Path, final: Path, step: int, samples: int, record: dict, model_c
         json.dump(meta, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists() and outdir.is_marked(final):  # a re-save of the same step (resumed run)
-        shutil.rmtree(final)
+    swap_in(tmp, final)
+
+
+REPLACED = ".replaced-"  # a checkpoint being replaced by a re-save of its step, for an instant
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Rename the sealed checkpoint into place. A re-save of the same step (a resumed run) sets
+    the old one aside by a rename first and removes it after: a kill between the two renames
+    leaves it whole, under a name that `tidy` restores."""
+    if not (final.exists() and outdir.is_marked(final)):
+        tmp.rename(final)
+        return
+    aside = final.with_name(REPLACED + final.name)
+    if aside.exists() and outdir.is_marked(aside):
+        shutil.rmtree(aside)
+    final.rename(aside)
     tmp.rename(final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _save_failure(final: Path, error: BaseException | None, need: int, root: Path) -> str:
@@ -458,14 +474,25 @@ def tidy(root: Path) -> list[str]:
     entries = [*folder.iterdir()] if folder.is_dir() else []
     removed = []
     final_tmp = ".final-"  # modeling.save_final writes final/ in a temporary folder beside it
+    entries = [_restored(entry) for entry in entries]
     for entry in [*entries, *root.glob(f"{final_tmp}*")]:
-        leftover = entry.name.startswith((".tmp-step-", final_tmp)) or (
+        leftover = entry.name.startswith((".tmp-step-", REPLACED, final_tmp)) or (
             step_of(entry) is not None and not (entry / META).exists()
         )
         if entry.is_dir() and leftover and outdir.is_marked(entry):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return sorted(removed)
+
+
+def _restored(entry: Path) -> Path:
+    """A checkpoint that a re-save of its step set aside, killed before the new one took its name,
+    goes back under its own name."""
+    original = entry.with_name(entry.name.removeprefix(REPLACED))
+    if entry.name.startswith(REPLACED) and outdir.is_marked(entry) and not original.exists():
+        entry.rename(original)
+        return original
+    return entry
 
 
 def _refusal(exc: BaseException, path: Path, flag: str) -> UserError:

@@ -7,6 +7,7 @@ depend on which rank writes them.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -153,10 +154,22 @@ def keep_metrics_until(output_dir: Path, step: int) -> None:
     """On resume from a checkpoint after `step` steps: drop the later records (they are about to be
     redone) and any torn line."""
     path = output_dir / "metrics.jsonl"
-    if path.exists():
-        lines = path.read_text(errors="replace").splitlines()
-        kept = [line for line in lines if (done := _record_step(line)) is not None and done <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+    if not path.exists():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = [line for line in lines if (done := _record_step(line)) is not None and done <= step]
+    if kept == lines:
+        return
+    # Written beside it and renamed over it: a kill or a full disk mid-write leaves the old file whole.
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def last_logged_step(output_dir: Path) -> int:

@@ -9,3 +9,29 @@ def test_flops_per_token_and_mfu_peaks():
     # 1B params, 16 layers x 2048, seq 2048: 6e9 + 12*16*2048*2048
     assert flops_per_token(10**9, 16, 2048, 2048) == 6e9 + 805_306_368
     assert peak_flops(torch.device("cpu")) is None  # no MFU claimed on CPU
+
+
+def test_dropping_redone_records_never_leaves_metrics_half_written(tmp_path, monkeypatch):
+    """A resume drops the records it redoes by writing the kept ones beside metrics.jsonl and
+    renaming: a full disk mid-write leaves the old file whole, with no temporary beside it."""
+    import errno
+    import json
+    import os
+
+    import pytest
+
+    from accum_cli import metrics
+
+    path = tmp_path / "metrics.jsonl"
+    records = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))
+    path.write_text(records + '{"step": 6, "lo')
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(full))
+        with pytest.raises(OSError):
+            metrics.keep_metrics_until(tmp_path, 3)
+    assert path.read_text() == records + '{"step": 6, "lo'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    metrics.keep_metrics_until(tmp_path, 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -663,6 +663,45 @@ def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+def test_a_resave_of_a_step_never_leaves_it_missing(trained, tmp_path):
+    """A re-save of a step (a resumed run) sets the old checkpoint aside by a rename and removes
+    it only once the new one has its name: killed between the two renames, the next start puts
+    the old one back; killed after them, it removes what was set aside."""
+    from accum_cli import checkpoint
+
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(trained / "checkpoints", folder)
+    old = tree_digest(folder / "step-000002")
+    new = folder / ".tmp-step-000002"
+    shutil.copytree(folder / "step-000002", new)
+    (new / "meta.json").write_text((new / "meta.json").read_text() + " ")
+    checkpoint.swap_in(new, folder / "step-000002")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
+    assert tree_digest(folder / "step-000002") != old
+
+    again = folder / ".tmp-step-000002"
+    shutil.copytree(folder / "step-000001", again)
+    rename = Path.rename
+
+    def killed_at_the_new_ones_rename(self, target):
+        if self == again:
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "rename", killed_at_the_new_ones_rename)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.swap_in(again, folder / "step-000002")
+    assert checkpoint.tidy(folder.parent) == [".tmp-step-000002"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
+    assert tree_digest(folder / "step-000002") != old  # the re-saved one, whole
+    assert checkpoint.latest(folder.parent) == folder / "step-000002"
+
+    shutil.copytree(folder / "step-000001", folder / ".replaced-step-000001")  # killed after them
+    assert checkpoint.tidy(folder.parent) == [".replaced-step-000001"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
+
+
 def test_leftovers_of_an_interrupted_save_are_tidied_at_the_next_start(root, trained, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(trained, out)
