@@ -7,6 +7,7 @@ depend on which rank writes them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -118,7 +119,7 @@ class Reporter:
         self.last = record
         if not self.enabled:
             return record
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json_line(record) + "\n")
         self._file.flush()
         status = (
             ("SKIPPED (non-finite)  " if result.skipped else "")
@@ -139,6 +140,14 @@ class Reporter:
             return (step + 1) % self.log_every == 0 or step + 1 == self.total_steps
         every = max(1, self.total_steps // 20)
         return step < self.start_step + 3 or (step + 1) % every == 0 or step + 1 == self.total_steps
+
+
+def json_line(record: dict) -> str:
+    """The record as strict JSON: a non-finite value (a skipped step's loss or gradient norm, the
+    eval loss of a set without loss tokens) is null. Python would write NaN and Infinity, which
+    other parsers refuse and jq turns into 1.8e308."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False)
 
 
 def _record_step(line: str) -> int | None:

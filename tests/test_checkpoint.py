@@ -264,6 +264,9 @@ def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupte
     metrics = read_metrics(out)
     skipped = [m.get("skipped", False) for m in metrics]
     assert skipped[:3] == [False, True, False] and not all(skipped[2:]), skipped
+    # Strict JSON (no NaN or Infinity, which other parsers refuse): the skipped step's loss is null.
+    strict = [json.loads(line, parse_constant=pytest.fail) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert strict[1]["loss"] is None and all(isinstance(m["loss"], float) for m in strict if not m.get("skipped"))
     # A skipped step still moves the schedule: every step's lr is the unskipped run's.
     assert [m["lr"] for m in metrics] == pytest.approx([m["lr"] for m in read_metrics(uninterrupted[2])], rel=1e-12)
     weights = load_file(out / "final/model.safetensors")
