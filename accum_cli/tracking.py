@@ -16,6 +16,7 @@ import secrets
 from pathlib import Path
 
 from accum_cli.errors import UserError
+from accum_cli.metrics import last_logged_step
 
 # tracker name -> (the module that must import, the pip package that provides it)
 PACKAGES = {
@@ -80,21 +81,56 @@ IDS = "ids.json"  # under FOLDER: the tracker run ids of this run, the same acro
 CONTINUED = ("wandb", "trackio")  # trackers whose run a resume continues, and which keep every step logged
 
 
-def run_ids(folder: Path, fresh: bool) -> dict[str, str]:
+def run_ids(folder: Path, fresh: bool) -> dict:
     """This run's W&B id: new for a fresh run (even in a reused --output-dir, so runs never merge),
     read back on a resume so the tracker continues the same run."""
-    path = folder / IDS
-    if not fresh and path.is_file():
-        try:
-            ids = json.loads(path.read_text())
-            if isinstance(ids, dict) and re.fullmatch(r"[a-z0-9]{8,64}", str(ids.get("wandb", ""))):
-                return ids
-        except (OSError, ValueError):
-            pass  # unreadable: a new id below; the tracker starts a new run rather than fail the resume
-    ids = {"wandb": secrets.token_hex(8)}
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ids) + "\n")
+    ids = {} if fresh else _read_ids(folder)
+    if re.fullmatch(r"[a-z0-9]{8,64}", str(ids.get("wandb", ""))):
+        return ids
+    ids["wandb"] = secrets.token_hex(8)  # none yet, or unreadable: the tracker starts a new run rather than fail
+    _write_ids(folder, ids)
     return ids
+
+
+def _read_ids(folder: Path) -> dict:
+    try:
+        ids = json.loads((folder / IDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return ids if isinstance(ids, dict) else {}
+
+
+def _write_ids(folder: Path, ids: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{IDS}.tmp"
+    tmp.write_text(json.dumps(ids) + "\n")
+    os.replace(tmp, folder / IDS)
+
+
+SENT = "sent_until"  # in IDS: the last step W&B and trackio were sent, kept when a rewind drops records
+
+
+def sent_until(output_dir: Path) -> int:
+    """The last step the continued trackers were sent: metrics.jsonl's last record, or further where a
+    rewind dropped records that had been sent (a rewound attempt stopped before its old last step)."""
+    stored = _read_ids(output_dir / FOLDER).get(SENT, 0)
+    return max(stored if type(stored) is int else 0, last_logged_step(output_dir))
+
+
+def remember_sent(output_dir: Path) -> None:
+    """Before a resume drops the records it redoes: how far the trackers were sent, kept in IDS, or
+    the next attempt would send W&B and trackio those steps a second time."""
+    folder = output_dir / FOLDER
+    if (folder / IDS).is_file():  # else no W&B or trackio run was ever continued from here
+        _write_ids(folder, _read_ids(folder) | {SENT: sent_until(output_dir)})
+
+
+def forget_sent(output_dir: Path) -> None:
+    """A fresh run in a reused --output-dir: what was sent before belongs to the run it replaces."""
+    folder = output_dir / FOLDER
+    ids = _read_ids(folder)
+    if ids.pop(SENT, None) is not None:
+        _write_ids(folder, ids)
 
 
 class Trackers:
@@ -156,6 +192,8 @@ class Trackers:
                 ) from None
             first = logged_until + 1 if name in CONTINUED else 0
             self.trackers.append((tracker, first))
+        if set(names) & set(CONTINUED):  # where remember_sent finds it, wherever the tracker keeps its files
+            _write_ids(folder, _read_ids(folder) | {SENT: logged_until})
 
     @classmethod
     def none(cls) -> Trackers:

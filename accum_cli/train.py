@@ -40,7 +40,7 @@ from accum_cli.config import RESUME_AUTO, TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.evaluate import eval_loss
 from accum_cli.loop import train_step
-from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, last_logged_step, print_lines
+from accum_cli.metrics import Reporter, flops_per_token, keep_metrics_until, print_lines
 from accum_cli.plan import Plan, usable_micro_batch
 from accum_cli.runtime import env_rank
 from accum_cli.sharding import COMPILE_DECIDED_AFTER, ShardSettings
@@ -628,7 +628,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         run_record = _run_record(s, cfg)
         names = tracking.parse(cfg.report_to)
         if names:  # before config.json: a tracker that cannot start leaves no run that blocks a rerun
-            logged_until = last_logged_step(s.output_dir) if s.resume is not None else 0
+            logged_until = tracking.sent_until(s.output_dir) if s.resume is not None else 0
             trackers = tracking.Trackers(
                 names, run_name(cfg), s.output_dir, run_record, resume_step=start_step, logged_until=logged_until
             )
@@ -794,9 +794,11 @@ def _write_run_record(s: Setup, start_step: int, record: dict) -> None:
     """Rank 0, under the lock, in a folder already claimed: clear a previous run of ours if asked, write config.json."""
     out = s.output_dir
     if s.resume is not None:
+        tracking.remember_sent(out)
         keep_metrics_until(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         outdir.clear_previous_run(out)
+        tracking.forget_sent(out)
     removed = checkpoint.tidy(out)
     if removed:
         print(f"removed what an interrupted save left: {', '.join(removed)}", flush=True)

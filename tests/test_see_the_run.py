@@ -173,6 +173,24 @@ def test_trackio_holds_every_metric_once_and_a_resume_continues_the_same_run(res
     assert_logged_once_each(logged, resumed_run)
 
 
+def test_trackio_gets_each_step_once_when_a_rewound_attempt_stops_before_its_old_last_step(root, tmp_path, monkeypatch):
+    """Four steps sent to trackio; a rewind to step 2 run to step 3 only, without trackers (its
+    metrics.jsonl then ends at 3); a resume to step 5 with trackio again: steps 1-5 once each."""
+    if not importlib.util.find_spec("trackio"):
+        pytest.skip("trackio is a dev extra: pip install -e '.[dev]'")
+    for name in TRACKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    every = ("--checkpoint-every", "1", "--keep-checkpoints", "10")
+    for steps, extra in ((4, ("--report-to", "trackio")), (3, ("--resume", str(out / "checkpoints" / "step-000002"))),
+                         (5, ("--report-to", "trackio", "--resume"))):  # fmt: skip
+        result = run_cli(args(root, out, steps, *every, *extra))
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5]
+    runs = trackio_runs(out / "trackers" / "trackio")
+    assert [row["step"] for row in runs[0][1]] == [1, 2, 3, 4, 5] and len(runs) == 1
+
+
 def test_tensorboard_holds_every_metric_of_every_step_once_a_resume_and_an_overwrite_included(resumed_run):
     out, final = resumed_run["out"], resumed_run["final"]
     logged = scalars(out / "trackers")
@@ -224,6 +242,24 @@ def test_the_wandb_run_id_is_new_for_a_fresh_run_and_kept_by_a_resume(tmp_path):
         (tmp_path / IDS).write_text(bad)
         renewed = run_ids(tmp_path, fresh=False)["wandb"]
         assert renewed.isalnum() and json.loads((tmp_path / IDS).read_text())["wandb"] == renewed
+
+
+def test_how_far_the_trackers_were_sent_outlives_a_rewind_but_not_an_overwrite(tmp_path):
+    from accum_cli import metrics, tracking
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    assert tracking.sent_until(tmp_path) == 7
+    tracking.remember_sent(tmp_path)  # no W&B or trackio run here: nothing to keep
+    assert not (tmp_path / tracking.FOLDER).exists()
+    tracking.run_ids(tmp_path / tracking.FOLDER, fresh=True)
+    tracking.remember_sent(tmp_path)
+    metrics.keep_metrics_until(tmp_path, 3)  # a rewind to step 3
+    assert tracking.sent_until(tmp_path) == 7
+    tracking.forget_sent(tmp_path)  # a fresh run over it (--overwrite)
+    assert tracking.sent_until(tmp_path) == 3
+    for bad in ('{"sent_until": "9"}', '{"sent_until": true}', "[9]", "not json"):
+        (tmp_path / tracking.FOLDER / tracking.IDS).write_text(bad)
+        assert tracking.sent_until(tmp_path) == 3
 
 
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
