@@ -428,6 +428,11 @@ def hold_output_dir(cfg: TrainConfig, out: Path, rt: runtime.Runtime, resuming: 
 def split_for_eval(dataset, ratio: float, seed: int):
     """Hold out a seeded share of the prepared sequences; at least one of each side."""
     n = len(dataset)
+    if n < 2:
+        raise UserError(
+            f"--eval-split-ratio needs at least 2 sequences to hold one out, and the dataset makes {n} of"
+            " --seq-len tokens; use a larger dataset or a shorter --seq-len, or pass --eval-dataset"
+        )
     held = min(max(1, round(n * ratio)), n - 1)
     order = np.random.default_rng([seed, 0x5EED]).permutation(n)
     return dataset.select(np.sort(order[held:])), dataset.select(np.sort(order[:held]))

@@ -54,6 +54,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
             {"input_ids": [5, 6, 7], "attention_mask": [1, None, 1]},
         ],
         "long-eval.jsonl": [{"input_ids": [5] * 300}],  # above the tiny model's 256 positions
+        "one-row.jsonl": [{"input_ids": [5, 6, 7]}],
     }
     for name, rows in bad_data.items():
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -214,6 +215,8 @@ CASES = [
     (["--model", "{tiny}", "--dataset", "{null-mask.jsonl}"],
      "row 1 of the dataset (counting from 0): attention_mask holds a value other than 0 and 1"),
     # The evaluation's rows must fit the model too: refused before training, not at the first evaluation.
+    (["--model", "{tiny}", "--dataset", "{one-row.jsonl}", "--global-batch", "1", "--eval-split-ratio", "0.5"],
+     "--eval-split-ratio needs at least 2 sequences to hold one out, and the dataset makes 1"),
     (["--model", "{tiny}", "--dataset", "{tokens.jsonl}", "--global-batch", "4", "--eval-dataset", "{long-eval.jsonl}"],
      "a pre-tokenised row has 300 tokens, above the model's 256 positions"),
     (["--recipe", "{latin1.yaml}"], "is not UTF-8 text (line 1); save it as UTF-8"),
