@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -28,11 +29,11 @@ from accum_cli.runtime import EXIT_PEER_LOST, env_rank, exit_process, peer_lost
 EXIT_NONFINITE = 3  # a NaN/inf loss or gradient norm with --on-nonfinite abort
 
 
-def fail(message: str, code: int = EXIT_USAGE, every_rank: bool = False) -> None:
+def fail(message: str, code: int = EXIT_USAGE, every_rank: bool = False, prog: str = "accum-train") -> None:
     """One line on stderr (rank 0 only, so N ranks do not print N copies, unless the problem is
     one rank's own), then exit."""
     if env_rank() == 0 or every_rank:
-        print(f"accum-train: error: {message}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
@@ -50,6 +51,8 @@ def with_resume_value(args: list[str]) -> list[str]:
 class OneLineErrors(options.PanelHelp):
     """Click's usage errors (unknown flag, `--micro-batch abc`) as one line, exit code 2."""
 
+    prog = "accum-train"  # the command the line names
+
     def parse_args(self, ctx, args):
         args = with_resume_value(list(args))
         ctx.meta["raw_args"] = list(args)  # the launcher wrapper forwards them to its workers
@@ -57,16 +60,17 @@ class OneLineErrors(options.PanelHelp):
 
     def main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
+        prog = self.prog
         try:
             result = super().main(*args, **kwargs)
         except typer.Abort:
-            fail("aborted", 130)
+            fail("aborted", 130, prog=prog)
         except Exception as exc:
             # Typer's parse errors (its vendored click's UsageError family) carry a message and
             # an exit code; anything else is a bug and keeps its traceback.
             if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
                 raise
-            fail(f"{exc.format_message()} (see accum-train --help)")
+            fail(f"{exc.format_message()} (see {prog} --help)", prog=prog)
         raise SystemExit(result if isinstance(result, int) else 0)
 
 
@@ -255,7 +259,11 @@ def entry() -> None:
 export_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
-@export_app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+class ExportErrors(OneLineErrors):
+    prog = "accum-export"
+
+
+@export_app.command(cls=ExportErrors, context_settings={"help_option_names": ["-h", "--help"]})
 def export_main(
     checkpoint: Annotated[
         str,
@@ -277,13 +285,26 @@ def export_main(
     from accum_cli.checkpoint import export
 
     hf_logging.disable_progress_bar()  # one line on success, one on failure
+    previous = signal.signal(signal.SIGTERM, _terminated)  # so the export's cleanup runs, as on Ctrl-C
     try:
         if export_dtype not in EXPORT_DTYPES:
             raise UserError(f"--export-dtype {export_dtype!r} is unknown; use one of: {', '.join(EXPORT_DTYPES)}")
         target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code, export_dtype)
     except UserError as exc:
-        fail(str(exc))
+        fail(str(exc), prog=ExportErrors.prog)
+    except Terminated:
+        fail(f"stopped by SIGTERM; nothing was written to {out}", 128 + signal.SIGTERM, prog=ExportErrors.prog)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"exported {checkpoint} -> {target}")
+
+
+class Terminated(BaseException):
+    """SIGTERM during an export: unwinds like Ctrl-C, through the cleanup of the half-written folder."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def export_entry() -> None:

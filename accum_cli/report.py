@@ -8,6 +8,7 @@ the picture of a run that is still going, or compares runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ PANELS = (
     ("peak_mem_gib", "peak memory (GiB)"),
 )
 REPORT = "report.png"
+FORMATS = (".png", ".svg", ".pdf")  # what --out may name: matplotlib writes each by its suffix
 
 
 def available() -> bool:
@@ -96,11 +98,17 @@ def draw(runs: list[Path], out: Path) -> Path:
     summary.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=8, wrap=True)
     title = loaded[0][2] if len(loaded) == 1 else f"{len(loaded)} runs"
     fig.suptitle(f"accum-train  {loaded[0][0].name}  {title}" if len(loaded) == 1 else f"accum-train: {title}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    os.replace(tmp, out)
+    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=80, format=out.suffix[1:].lower())
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise UserError(f"cannot write {out} ({exc.strerror or exc}); check the folder and its permissions") from None
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):  # gone once renamed, or never made
+            tmp.unlink()
     return out
 
 
@@ -113,6 +121,10 @@ def main(
     if not available():
         raise UserError("accum-report needs matplotlib: pip install matplotlib (or 'accum-train[report]')")
     target = out or run / REPORT
+    if target.is_dir():
+        raise UserError(f"--out {target} is a folder; name the picture's file, e.g. --out {target / REPORT}")
+    if target.suffix.lower() not in FORMATS:
+        raise UserError(f"--out {target}: name a {', '.join(FORMATS)} file; its suffix says which format to write")
     written = draw([run, *(compare or [])], target)
     print(f"report {written}")
 
@@ -121,20 +133,26 @@ def entry() -> None:
     """Console script `accum-report`."""
     from accum_cli.cli import OneLineErrors, fail
 
+    class ReportErrors(OneLineErrors):
+        prog = "accum-report"
+
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
-    @app.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+    @app.command(cls=ReportErrors, context_settings={"help_option_names": ["-h", "--help"]})
     def command(
         run: Annotated[Path, typer.Argument(help="A run's --output-dir (it may still be training).")],
         compare: Annotated[
             Optional[list[Path]], typer.Option(help="Another run's output dir to overlay (repeatable).")
         ] = None,
-        out: Annotated[Optional[Path], typer.Option(help="Where to write the PNG.  [default: RUN/report.png]")] = None,
+        out: Annotated[
+            Optional[Path],
+            typer.Option(help="Where to write the picture (.png, .svg or .pdf).  [default: RUN/report.png]"),
+        ] = None,
     ) -> None:
         """Draw loss, eval loss, learning rate, gradient norm, tokens/s and memory against the step."""
         try:
             main(run, compare, out)
         except UserError as exc:
-            fail(str(exc))
+            fail(str(exc), prog=ReportErrors.prog)
 
     app(prog_name="accum-report")

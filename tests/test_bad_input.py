@@ -318,7 +318,7 @@ def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name, messag
     result = CliRunner().invoke(export_app, [str(folder), str(target)])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"accum-train: error: checkpoint {folder}"), result.output
+    assert len(lines) == 1 and lines[0].startswith(f"accum-export: error: checkpoint {folder}"), result.output
     assert message in lines[0], lines[0]
     assert not target.exists()
 
@@ -390,7 +390,8 @@ def test_an_unreadable_checkpoint_or_run_is_one_line(files, tmp_path, case):
         target.chmod(0o755)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
-    assert lines[0].startswith("accum-train: error: " + message.format(target=target)), lines[0]
+    prog = "accum-export" if case == "export" else "accum-train"
+    assert lines[0].startswith(f"{prog}: error: " + message.format(target=target)), lines[0]
     assert not (tmp_path / "hf").exists()
 
 

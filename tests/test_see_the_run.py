@@ -313,6 +313,21 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
     )  # fmt: skip
     assert missing.returncode == 2 and "has no metrics.jsonl" in missing.stderr
 
+    # --out: the format its suffix names, written whole or not at all, in the current folder too.
+    svg = subprocess.run([sys.executable, "-c", "from accum_cli.report import entry; entry()", str(runs[0]), "--out",
+                          "picture.svg"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert svg.returncode == 0, svg.stderr
+    assert b"<svg" in (tmp_path / "picture.svg").read_bytes()[:1000]
+    (tmp_path / "a-folder").mkdir()
+    for out, message in (("a-folder", "--out a-folder is a folder; name the picture's file, e.g. --out a-folder/report.png"),
+                         ("notes.txt", "--out notes.txt: name a .png, .svg, .pdf file"),
+                         ("picture.svg/r.png", "cannot write picture.svg/r.png (")):  # under a file  # fmt: skip
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        bad = subprocess.run([sys.executable, "-c", "from accum_cli.report import entry; entry()", str(runs[0]),
+                              "--out", out], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert bad.returncode == 2 and bad.stderr.startswith(f"accum-report: error: {message}"), bad.stderr
+        assert len(bad.stderr.splitlines()) == 1 and sorted(p.name for p in tmp_path.rglob("*")) == before
+
 
 def test_a_metrics_file_with_bytes_that_are_not_utf8_is_read_to_its_last_good_line(tmp_path):
     """A torn last line (a kill mid-write, a full disk) can hold any bytes: accum-report reads the

@@ -61,9 +61,9 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def one_error_line(text: str) -> str:
+def one_error_line(text: str, prog: str = "accum-train") -> str:
     lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("accum-train: error: "), text
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), text
     assert "Traceback" not in text
     return lines[0]
 
@@ -277,7 +277,7 @@ def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
          str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
-    line = one_error_line(result.stderr)
+    line = one_error_line(result.stderr, "accum-export")
     assert "is refused: its .metadata asks to load posix.system, which DCP never writes" in line
     assert not sentinel.exists(), "the payload ran"
     assert not (tmp_path / "hf").exists()
@@ -297,8 +297,26 @@ def test_export_never_deletes_a_folder_of_the_users_where_it_stages(trained, tmp
     (staging / "notes.txt").write_text("mine")
     result = export(trained / "checkpoints" / "step-000002", tmp_path / "hf")
     assert result.exit_code == 2, result.output
-    assert "exists and is not accum-train's; move it away or pick another target" in one_error_line(result.output)
+    assert "exists and is not accum-train's; move it away or pick another target" in one_error_line(
+        result.output, "accum-export"
+    )
     assert (staging / "notes.txt").read_text() == "mine" and not (tmp_path / "hf").exists()
+
+
+def test_a_sigterm_during_an_export_leaves_nothing_half_written(trained, tmp_path):
+    """The SIGTERM arrives while the weights are being written (a job's time limit): the folder
+    being written goes, one line says so, and the exit code is the signal's."""
+    code = (
+        "import os, signal; from accum_cli import model; written = model.stamp_dtype\n"
+        "def stopped(*a):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return written(*a)\n"
+        "model.stamp_dtype = stopped\nfrom accum_cli.cli import export_entry; export_entry()"
+    )
+    ckpt = trained / "checkpoints" / "step-000002"
+    result = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "hf")], cwd=REPO, env=env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 128 + signal.SIGTERM, result.stdout + result.stderr
+    assert "stopped by SIGTERM; nothing was written to" in one_error_line(result.stderr, "accum-export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_export_reads_only_the_files_the_checkpoint_lists(trained, tmp_path):
@@ -321,7 +339,7 @@ def test_export_of_a_checkpoint_whose_model_cannot_be_built_is_one_line(trained,
     rewrite_record(ckpt, "config.json")
     result = export(ckpt, tmp_path / "hf")
     assert result.exit_code == 2, result.output
-    assert f"checkpoint {ckpt}: its model cannot be built (" in one_error_line(result.output)
+    assert f"checkpoint {ckpt}: its model cannot be built (" in one_error_line(result.output, "accum-export")
     assert not (tmp_path / "hf").exists() and not (tmp_path / ".tmp-hf").exists()
 
 
@@ -657,7 +675,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny
     export = [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(ckpt)]
     full = subprocess.run([*export, str(tiny_disk / "hf")], cwd=REPO, env=env(), capture_output=True, text=True)
     assert full.returncode == 2, full.stdout + full.stderr
-    assert "export to" in one_error_line(full.stderr) and "No space left on device" in full.stderr
+    assert "export to" in one_error_line(full.stderr, "accum-export") and "No space left on device" in full.stderr
     assert not (tiny_disk / "hf").exists() and not (tiny_disk / ".tmp-hf").exists()
     ok(subprocess.run([*export, str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True))
     assert (tmp_path / "hf" / "model.safetensors").is_file()
