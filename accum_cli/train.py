@@ -512,9 +512,15 @@ def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
     return dataclasses.replace(cfg, lr=PRETRAINED_LR if pretrained else FROM_SCRATCH_LR)
 
 
-def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool) -> str:
+def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> list[str]:
     origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
-    return f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"
+    lines = [f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"]
+    if cfg.warmup_steps > total_steps:  # the run ends inside the warmup: the peak is never reached
+        lines.append(
+            f"note              the warmup is longer than the run's {total_steps} steps: the learning rate rises"
+            f" to {cfg.lr * total_steps / cfg.warmup_steps:.3g} only; --warmup-steps {total_steps} reaches {cfg.lr:g}"
+        )
+    return lines
 
 
 def stream_position(s: Setup) -> str:
@@ -542,7 +548,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
-        describe_lr(cfg, lr_given, s.source.has_weights),
+        *describe_lr(cfg, lr_given, s.source.has_weights, s.total_steps),
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
         f"layout            {s.layout.layout} ({s.layout.reason})",
         f"sharding          {s.settings.describe()}",

@@ -295,6 +295,10 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
         assert result.returncode == 0, result.stdout + result.stderr
         assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")] == ["2/4", "4/4"]
         runs.append(out)
+    # 4 steps inside the default 5 of warmup: the header says the peak is not reached, and how far it goes.
+    assert read_metrics(runs[1])[-1]["lr"] == pytest.approx(8e-4)
+    note = "the warmup is longer than the run's 4 steps: the learning rate rises to 0.0008 only; --warmup-steps 4"
+    assert note in result.stdout, result.stdout
     picture = Image.open(runs[0] / "report.png").convert("L")
     assert picture.size[0] >= 800 and picture.size[1] >= 500
     assert sum(1 for count in picture.histogram() if count) > 20, "not a blank picture"
