@@ -22,6 +22,12 @@ from accum_cli.errors import UserError, first_line
 from accum_cli.signals import EXIT_PREEMPTED
 
 WRAPPED = "ACCUM_TRAIN_WRAPPED"  # set for workers started by the wrapper
+# torch's elastic agent forwards a SIGTERM to the workers and SIGKILLs them after its shutdown
+# timeout, 30 s by default: a step and a checkpoint that take longer would be cut off mid-save
+# (no checkpoint, exit 143, no requeue). The workers stop at the next step boundary and save;
+# this is how long they may take. The batch system's own limit still ends a stuck run.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+WORKER_STOP_GRACE_S = 900
 
 # Wrapper flags and whether they take a value; they are not forwarded to the workers.
 WRAPPER_FLAGS = {
@@ -152,6 +158,7 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
     if not torch.cuda.is_available():
         os.environ["ACCELERATE_USE_CPU"] = "1"
     os.environ[WRAPPED] = "1"
+    os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(WORKER_STOP_GRACE_S))  # yours, if you set one
     # The workers report their own failures in one line; the agent's log lines would bury it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = launch_command_parser().parse_args(accelerate_args(launch, mixed_precision, forwarded))

@@ -9,8 +9,10 @@ a single-process run of the same command.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import BIN, REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
@@ -177,3 +179,44 @@ def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it()
     assert outcome({0: -15, 1: -9}) == (137, "worker rank 1 was killed by SIGKILL (out of memory? killed by hand?)")
     assert outcome({1: -15, 0: -15}) == (143, "worker rank 0 was killed by SIGTERM (out of memory? killed by hand?)")
     assert outcome({1: 2, 0: 74}) == (74, None)
+
+
+SLOW_SAVE = """
+import time
+from accum_cli import checkpoint
+
+saved = checkpoint.save
+
+
+def slow_save(*args, **kwargs):  # a big model's checkpoint: longer than torch's 30 s shutdown timeout
+    time.sleep(32)
+    return saved(*args, **kwargs)
+
+
+checkpoint.save = slow_save
+"""
+
+
+def test_a_sigterm_to_the_wrapper_waits_for_a_save_longer_than_torchs_30_s(setup, tmp_path):
+    """torch's elastic agent SIGKILLs its workers 30 s after forwarding a SIGTERM: a checkpoint that
+    takes longer (a big model) was cut off mid-save, exit 143, no requeue. The wrapper gives them longer."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_SAVE)  # every process of the run saves slowly
+    out = tmp_path / "run"
+    cmd = [str(BIN / "accum-train"), "--nproc", "2", "--master-port", str(free_port()),
+           *common(setup, out, global_batch=4), "--max-steps", "400"]  # fmt: skip
+    run_env = env(PYTHONPATH=f"{hooks}:{REPO}")
+    run_env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # as Slurm signals the batch step
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 75, stdout + stderr
+    done = len(read_metrics(out))
+    assert (out / "checkpoints" / f"step-{done:06d}" / "meta.json").is_file()
+    assert not list((out / "checkpoints").glob(".tmp-*"))
