@@ -191,7 +191,7 @@ def main(
         from accum_cli.checkpoint import EXIT_SAVE_FAILED, SaveFailed
         from accum_cli.loop import NonFiniteError
         from accum_cli.signals import EXIT_PREEMPTED, watch_launcher
-        from accum_cli.train import AlreadyFinished, Preempted, run
+        from accum_cli.train import AlreadyFinished, Preempted, StoppedBeforeTraining, run
 
         watch_launcher()
         try:
@@ -212,6 +212,15 @@ def main(
         except Preempted as exc:
             if env_rank() == 0:
                 print(f"accum-train: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
+        except StoppedBeforeTraining:
+            if env_rank() == 0:
+                print(
+                    "accum-train: stopped by SIGTERM before this attempt's first step, nothing trained in it;"
+                    f" the same command continues ({_last_checkpoint(cfg)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise SystemExit(EXIT_PREEMPTED) from None
     except UserError as exc:
         fail(str(exc), every_rank=isinstance(exc, RankError))

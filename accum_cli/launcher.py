@@ -10,7 +10,6 @@ on a machine without CUDA, ACCELERATE_USE_CPU=1 keeps `--multi_gpu` from meaning
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -207,17 +206,12 @@ def _died(rank: int, exitcode: int) -> tuple[int, str]:
 
 
 def _nothing_lost(output_dir: Path) -> bool:
-    """The workers saved a checkpoint at the last step they completed: the run can resume as if
-    never stopped. (The agent does not hand their exit codes back, so the folder tells.)"""
+    """The workers saved a checkpoint at the last step they completed, or stopped before their
+    first (none saved, none recorded): the run can go on as if never stopped. (The agent does
+    not hand their exit codes back, so the folder tells.)"""
     from accum_cli import checkpoint
+    from accum_cli.metrics import last_logged_step
 
     newest = checkpoint.latest(output_dir)
-    metrics = output_dir / "metrics.jsonl"
-    if newest is None or not metrics.is_file():
-        return False
-    lines = metrics.read_text().splitlines()
-    try:
-        completed = json.loads(lines[-1])["step"] if lines else 0
-    except (ValueError, KeyError, TypeError):
-        return False
-    return checkpoint.step_of(newest) == completed
+    saved = checkpoint.step_of(newest) if newest is not None else 0
+    return saved == last_logged_step(output_dir)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -486,19 +487,34 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress output is the one that matters
-    s = setup(cfg, resume, prepare_only)
-    lr_given = cfg.lr is not None
-    cfg = with_default_lr(cfg, s.source.has_weights)
+    # Until the training loop takes over SIGTERM (StopRequest, at a step boundary), a preemption
+    # stops the setup at once: there is nothing to save yet, and the run can be started again.
+    previous = signal.signal(signal.SIGTERM, _stop_before_training)
     try:
-        if s.rt.is_main:
-            print_lines(s.plan.describe(s.seq_len), "plan")
-            print_lines(describe_run(s, cfg, resume, lr_given), "run")
-        if prepare_only:
-            return {"samples": s.stats.samples}
-        return train(s, cfg)
+        s = setup(cfg, resume, prepare_only)
+        lr_given = cfg.lr is not None
+        cfg = with_default_lr(cfg, s.source.has_weights)
+        try:
+            if s.rt.is_main:
+                print_lines(s.plan.describe(s.seq_len), "plan")
+                print_lines(describe_run(s, cfg, resume, lr_given), "run")
+            if prepare_only:
+                return {"samples": s.stats.samples}
+            return train(s, cfg)
+        finally:
+            if s.lock is not None:
+                s.lock.release()
     finally:
-        if s.lock is not None:
-            s.lock.release()
+        signal.signal(signal.SIGTERM, previous)
+
+
+class StoppedBeforeTraining(BaseException):
+    """SIGTERM before the first step of this attempt (loading, preparing, estimating, resuming):
+    a BaseException, as Ctrl-C's, so that no `except Exception` takes it for a failure."""
+
+
+def _stop_before_training(signum, frame) -> None:
+    raise StoppedBeforeTraining
 
 
 PRETRAINED_LR = 2e-5  # full fine-tuning of pretrained LLM weights: 1e-3 would wreck them in a few steps
@@ -672,6 +688,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     reporter = Reporter(
         s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token, rt.world_size, cfg.log_every
     )
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here the loop's StopRequest answers it, as before
     with StopRequest() as stop, reporter, contextlib.closing(trackers or tracking.Trackers.none()) as trackers:
         samples = first_sample
         for step in range(start_step, s.total_steps):

@@ -220,3 +220,46 @@ def test_a_sigterm_to_the_wrapper_waits_for_a_save_longer_than_torchs_30_s(setup
     done = len(read_metrics(out))
     assert (out / "checkpoints" / f"step-{done:06d}" / "meta.json").is_file()
     assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+STOPPED_WHILE_LOADING = """
+import os
+import signal
+import time
+from accum_cli import model
+
+load = model.load_model
+
+
+def load_and_be_preempted(*args, **kwargs):  # the SIGTERM lands while the weights load
+    if os.environ.get("ACCUM_TRAIN_WRAPPED"):  # to the wrapper, as Slurm sends it: it forwards it
+        if os.environ["RANK"] == "0":
+            os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(30)  # interrupted by the forwarded signal
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return load(*args, **kwargs)
+
+
+model.load_model = load_and_be_preempted
+"""
+
+
+@pytest.mark.parametrize("how", ["one process", "wrapper"])
+def test_a_sigterm_before_the_first_step_exits_75_and_the_same_command_then_trains(setup, tmp_path, how):
+    """Preempted while loading (no step begun): exit 75, which the Slurm script requeues on, not a
+    death by signal that would end the job; the same command line then trains from the start."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STOPPED_WHILE_LOADING)
+    out = tmp_path / "run"
+    launch = ["--nproc", "2", "--master-port", str(free_port())] if how == "wrapper" else []
+    cmd = [str(BIN / "accum-train"), *launch, *common(setup, out, global_batch=4), "--resume", "auto"]
+    stopped = subprocess.run(cmd, cwd=REPO, env=env(PYTHONPATH=f"{hooks}:{REPO}"), capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert stopped.returncode == 75, stopped.stdout + stopped.stderr
+    assert "stopped by SIGTERM before this attempt's first step, nothing trained in it" in stopped.stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    again = run(cmd)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
