@@ -30,7 +30,7 @@ from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 4  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 5  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 

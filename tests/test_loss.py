@@ -89,6 +89,38 @@ def test_forward_and_backward_hold_the_logits_and_one_gradient():
     assert textbook > 4 * size, textbook / size  # so the measurement can tell them apart
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_fake_tensors_two_chunks_give_the_peak_of_all_of_them(monkeypatch, dtype):
+    """The memory estimate runs the loss on fake tensors, where every chunk costs the same time: it
+    runs the first and the last chunk only, so its time does not grow with the micro batch. The peak
+    it measures is that of every chunk run (chunks of 5 rows here: 21 of them, the last shorter)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 5 * 4096)
+    calls = []
+    logsumexp = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda *a, **k: calls.append(1) or logsumexp(*a, **k))
+
+    def peak_and_chunks() -> tuple[int, int]:
+        calls.clear()
+        with FakeTensorMode():
+            logits, labels = torch.randn(2, 51, 4096, dtype=dtype), torch.randint(0, 4096, (2, 51))
+            peak = peak_bytes(step_of(logits, labels), logits, labels)
+        return peak, len(calls)
+
+    def step_of(logits, labels):
+        def run():
+            leaf = logits.clone().requires_grad_()
+            token_loss_sum(leaf, labels).backward()
+
+        return run
+
+    fast = peak_and_chunks()
+    monkeypatch.setattr(loss, "FakeTensor", type("NeverFake", (), {}))  # every chunk, as on real tensors
+    every = peak_and_chunks()
+    assert fast == (every[0], 2) and every[1] == 21, (fast, every)
+
+
 def test_a_microbatch_frees_its_logits_before_the_output_projections_backward(tmp_path):
     """The step's own code (loop.microbatch_backward) keeps no reference to the model's output
     through backward: the logits are gone once the loss's backward has run, before the output
