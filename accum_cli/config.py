@@ -35,6 +35,7 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention
 RESUME_LATEST = "latest"  # `--resume` alone: the newest checkpoint, which must exist
 RESUME_AUTO = "auto"  # the newest checkpoint if there is one, else a fresh start
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64; numpy's default_rng any non-negative int
+MAX_GLOBAL_BATCH = 2**40  # far past any real step; the plan's arithmetic (--strict-batch: O(sqrt G)) stays instant
 
 # --help panels, in the order they are shown.
 MODEL_DATA = "Model & data"
@@ -105,7 +106,8 @@ class TrainConfig:
                                  none_means="128 on the embedded corpus, else min(2048, model maximum)",
                                  ge=2)  # fmt: skip
     # Batch
-    global_batch: int = option(64, "Sequences per optimizer step, over all ranks and microbatches.", BATCH, ge=1)
+    global_batch: int = option(64, "Sequences per optimizer step, over all ranks and microbatches.", BATCH, ge=1,
+                               le=MAX_GLOBAL_BATCH)  # fmt: skip
     micro_batch: str | int = option(8, "Sequences per forward/backward on one rank, or auto: the most that fit "
                                     "(from the memory estimate).", BATCH, ge=1)  # fmt: skip
     strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
@@ -263,10 +265,19 @@ def _out_of_bounds(f: dataclasses.Field, value: Any) -> str | None:
     below = (le is None or value <= le) and (lt is None or value < lt)
     if above and below:
         return None
-    if le is None and lt is None:
-        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be >= {ge}, got {got}"
-    high = f"{le}]" if le is not None else f"{lt})"
-    return f"{name} must lie in [{ge}, {high}, got {got}" if ge is not None else f"{name} must be <= {le}, got {got}"
+    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
+    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
+    if low is not None and high is not None:
+        return f"{name} must lie in {low}, {high}, got {got}"
+    if low is not None:
+        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be {_side(low)}, got {got}"
+    return f"{name} must be {_side(high)}, got {got}"
+
+
+def _side(bound: str) -> str:
+    """One side of an interval in words: '[1' -> '>= 1', '(0' -> '> 0', '5]' -> '<= 5', '5)' -> '< 5'."""
+    words = {"[": ">= ", "(": "> ", "]": "<= ", ")": "< "}
+    return words[bound[0]] + bound[1:] if bound[0] in "[(" else words[bound[-1]] + bound[:-1]
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:

@@ -61,9 +61,19 @@ class Plan:
         return rank * base + min(rank, extra)
 
     def microbatch_sizes(self, rank: int) -> list[int]:
-        n = self.rank_samples(rank)
-        full = [self.micro_batch] * (self.accum_steps - 1)
-        return [*full, n - sum(full)]
+        return [self.microbatch_size(rank, micro) for micro in range(self.accum_steps)]
+
+    def microbatch_size(self, rank: int, micro: int) -> int:
+        """Every microbatch but a rank's last is full; the last takes the rest (maybe none)."""
+        last = self.accum_steps - 1
+        return self.micro_batch if micro < last else self.rank_samples(rank) - self.micro_batch * last
+
+    def describe_sizes(self, rank: int) -> str:
+        """A rank's microbatch sizes as a list, shortened where it is long: [4 x 998, 2]."""
+        if self.accum_steps <= 8:
+            return str(self.microbatch_sizes(rank))
+        last = self.microbatch_size(rank, self.accum_steps - 1)
+        return f"[{self.micro_batch} x {self.accum_steps - 1}, {last}]"
 
     def microbatch_range(self, step: int, rank: int, micro: int, first_sample: int | None = None) -> range:
         """Global sample indices read by `rank` in microbatch `micro` of optimizer step `step`.
@@ -74,7 +84,7 @@ class Plan:
             raise ValueError(f"microbatch {micro} outside 0..{self.accum_steps - 1}")
         step_start = step * self.global_batch if first_sample is None else first_sample
         start = step_start + self.rank_offset(rank) + micro * self.micro_batch
-        return range(start, start + self.microbatch_sizes(rank)[micro])
+        return range(start, start + self.microbatch_size(rank, micro))
 
     def nearest_valid_global_batches(self) -> tuple[int, int]:
         unit = self.micro_batch * self.world_size
@@ -121,7 +131,7 @@ class Plan:
             lines.append(f"microbatches      all full: {a} x {m} on every rank")
             return lines
         base, extra = divmod(g, w)
-        sizes_hi, sizes_lo = self.microbatch_sizes(0), self.microbatch_sizes(w - 1)
+        sizes_hi, sizes_lo = self.describe_sizes(0), self.describe_sizes(w - 1)
         lines.append(
             f"not divisible     G={g} is not a multiple of m x W = {m * w}: the step still uses exactly {g} sequences"
         )

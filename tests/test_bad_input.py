@@ -138,7 +138,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 # (flags, part of the one-line message); {name} refers to the `files` fixture.
 CASES = [
-    (["--global-batch", "0"], "--global-batch must be >= 1"),
+    (["--global-batch", "0"], "--global-batch must lie in [1, 1099511627776], got 0"),
+    (["--plan", "--global-batch", "99999999999999999999999"], "--global-batch must lie in [1, 1099511627776], got 9999"),
     (["--micro-batch", "-3"], "--micro-batch must be >= 1"),
     (["--micro-batch", "abc"], "--micro-batch must be a positive integer or auto, got 'abc'"),
     (["--global-batch", "2.5"], "Invalid value for '--global-batch'"),
@@ -233,8 +234,10 @@ CASES = [
     (["--adam-beta2", "1"], "--adam-beta2 must lie in [0, 1), got 1.0"),
     (["--micro-batch", "\u00b2"], "--micro-batch must be a positive integer or auto, got '\u00b2'"),
     (["--micro-batch=--4"], "--micro-batch must be a positive integer or auto, got '--4'"),
-    (["--epochs", "1e308"], "--epochs must be <= 1000000, got 1e+308"),
-    (["--plan", "--device-memory-gib", "1e308"], "--device-memory-gib must be <= 1073741824, got 1e+308"),
+    (["--epochs", "1e308"], "--epochs must lie in (0, 1000000], got 1e+308"),
+    (["--plan", "--device-memory-gib", "1e308"], "--device-memory-gib must lie in (0, 1073741824], got 1e+308"),
+    (["--epochs", "0"], "--epochs must lie in (0, 1000000], got 0.0"),  # not "<= 1000000": the low side is wrong
+    (["--plan", "--device-memory-gib", "0"], "--device-memory-gib must lie in (0, 1073741824], got 0.0"),
     (["--recipe", "{huge-int.yaml}"], "key 'epochs' is too large for a number, got 1000"),
     # "" from an unset shell variable ("--dataset $DATA") is not the default it would silently become
     (["--dataset="], "--dataset is empty; pass a value or leave the flag out"),

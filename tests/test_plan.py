@@ -75,6 +75,17 @@ def test_ragged_example_has_an_empty_last_microbatch():
     assert plan.microbatch_sizes(0) == [2, 2, 2, 1]
     assert plan.microbatch_sizes(1) == [2, 2, 2, 0]
     assert plan.microbatch_range(1, 1, 0) == range(13 + 7, 13 + 9)
+    assert plan.microbatch_range(1, 1, 3) == range(13 + 13, 13 + 13)
+    assert "microbatch sizes [2, 2, 2, 1] / [2, 2, 2, 0]" in "\n".join(plan.describe())
+
+
+def test_a_huge_plan_is_described_at_once():
+    """A billion microbatches per rank: the plan's arithmetic and its description are O(1), the
+    sizes shortened (the header once printed them all; building them ran out of memory)."""
+    plan = Plan(10**12 + 7, 4, 3)
+    last = plan.accum_steps - 1
+    assert plan.microbatch_range(0, 2, last) == range(plan.rank_offset(2) + 4 * last, 10**12 + 7)
+    assert "microbatch sizes [4 x 83333333333, 4] / [4 x 83333333333, 3]" in "\n".join(plan.describe())
 
 
 @pytest.mark.parametrize(
