@@ -98,6 +98,14 @@ def usable(cfg: TrainConfig, world_size: int) -> int | str:
     return usable_micro_batch(cfg.micro_batch, cfg.global_batch, world_size)
 
 
+def micro_reason_of(cfg: TrainConfig, world_size: int, reason: str) -> str:
+    """Why the micro batch is what it is; "as requested" would hide that a larger one was capped."""
+    used = usable(cfg, world_size)
+    if used == fit.AUTO or used == cfg.micro_batch:
+        return reason
+    return f"--micro-batch {cfg.micro_batch} capped at a rank's share of the step, ceil(G/W) = {used}"
+
+
 def plan_only(cfg: TrainConfig, world_size: int) -> None:
     """--plan: the plan for any world size, from the model's config alone; no training."""
     check_layout(cfg, world_size)
@@ -126,7 +134,7 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     print_lines(
         [
             *table,
-            f"micro batch       {choice.micro_batch} ({choice.micro_reason})",
+            f"micro batch       {choice.micro_batch} ({micro_reason_of(cfg, world_size, choice.micro_reason)})",
             f"chosen: {choice.policy.policy} — {choice.policy.reason}",
             f"layout: {choice.layout.layout} — {choice.layout.reason}",
         ],
@@ -162,6 +170,7 @@ def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, se
     if isinstance(answer, dict):
         raise UserError(answer["error"])  # printed by rank 0 alone
     chosen, why, micro_batch, micro_reason, sync, reason = answer
+    micro_reason = micro_reason_of(cfg, rt.world_size, micro_reason)
     # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
     plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
     return layout.Decision(chosen, why), plan, micro_reason, policy.Decision(sync, reason)

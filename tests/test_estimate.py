@@ -221,6 +221,14 @@ def test_auto_micro_batch_is_the_largest_that_fits(cache):
     assert "micro batch       4 (largest that fits" in result.output
 
 
+def test_a_micro_batch_above_a_ranks_share_is_capped_and_says_so(cache):
+    by_m = peaks("every", [32])
+    result = invoke(plan_args("100", by_m[0] * 4))  # G=64 over 2 ranks: 32 each
+    assert result.exit_code == 0, result.output
+    assert "micro batch       32 (--micro-batch 100 capped at a rank's share of the step, ceil(G/W) = 32)" in result.output
+    assert "as requested" not in result.output
+
+
 def test_a_budget_too_small_for_one_sequence_is_refused_in_one_line(cache):
     one = peaks("every", [1])[0]
     result = subprocess.run(
