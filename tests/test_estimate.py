@@ -225,7 +225,9 @@ def test_a_micro_batch_above_a_ranks_share_is_capped_and_says_so(cache):
     by_m = peaks("every", [32])
     result = invoke(plan_args("100", by_m[0] * 4))  # G=64 over 2 ranks: 32 each
     assert result.exit_code == 0, result.output
-    assert "micro batch       32 (--micro-batch 100 capped at a rank's share of the step, ceil(G/W) = 32)" in result.output
+    assert (
+        "micro batch       32 (--micro-batch 100 capped at a rank's share of the step, ceil(G/W) = 32)" in result.output
+    )
     assert "as requested" not in result.output
 
 
