@@ -129,9 +129,12 @@ class Reporter:
             )
             + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
         )
+        logged = self._should_log(step) or "eval_loss" in record
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, status=status)
-        elif self._should_log(step) or "eval_loss" in record:
+            if logged:  # above the bar, to stay: the bar shows only the latest step
+                self._progress.console.print(f"step {step + 1}/{self.total_steps}  {status}", markup=False)
+        elif logged:
             print(f"step {step + 1}/{self.total_steps}  {status}", flush=True)
         return record
 

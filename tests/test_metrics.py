@@ -35,3 +35,27 @@ def test_dropping_redone_records_never_leaves_metrics_half_written(tmp_path, mon
     metrics.keep_metrics_until(tmp_path, 3)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_on_a_terminal_logged_steps_and_evaluations_stay_above_the_progress_bar(tmp_path):
+    """The bar shows the latest step only: the --log-every lines and every evaluation are printed
+    above it, where they stay (on a terminal they were replaced by the next step's status)."""
+    import io
+    import re
+
+    import torch
+    from rich.console import Console
+
+    from accum_cli.loop import StepResult
+    from accum_cli.metrics import Reporter
+
+    screen = io.StringIO()
+    reporter = Reporter(tmp_path, 10, torch.device("cpu"), True, log_every=5)
+    reporter.console = Console(file=screen, force_terminal=True, width=200, highlight=False)
+    with reporter:
+        for step in range(10):
+            extra = {"eval_loss": 2.5} if step == 2 else None
+            reporter.step(step, StepResult(3.0 - step / 10, 100, 128, 1.0, 1e-3), 0.5, extra)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())  # the terminal's colours and cursor moves
+    kept = re.findall(r"step (\d+)/10  loss ([\d.]+)[^\n]*?(eval [\d.]+)?\n", text)
+    assert kept == [("3", "2.8000", "eval 2.5000"), ("5", "2.6000", ""), ("10", "2.1000", "")], text
