@@ -263,3 +263,15 @@ def test_a_sigterm_before_the_first_step_exits_75_and_the_same_command_then_trai
     again = run(cmd)
     assert again.returncode == 0, again.stdout + again.stderr
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+
+
+def test_an_accelerate_config_under_home_written_with_an_equals_sign_is_found(tmp_path, monkeypatch):
+    """`--accelerate-config=~/cpu.yaml`: the shell leaves a tilde after `=` as it is."""
+    import shutil
+
+    from accum_cli.launcher import Launch
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copy(REPO / "recipes" / "accelerate" / "cpu-2proc.yaml", tmp_path / "cpu.yaml")
+    launch = Launch(None, 1, 0, None, None, "~/cpu.yaml").validate()
+    assert launch.accelerate_config == str(tmp_path / "cpu.yaml") and launch.world_size == 2
