@@ -119,6 +119,8 @@ def read_mapping(path: Path) -> dict[Any, Any]:
     """The recipe's top-level mapping. A `.json` file is read as JSON (a run's config.json)."""
     if path.is_dir():
         raise UserError(f"recipe {path} is a folder; pass a YAML file to --recipe")
+    if path.exists() and not path.is_file():  # `--recipe <(...)`: a pipe, read once, gone for the workers
+        raise UserError(f"recipe {path} is not a regular file (a pipe?); save the recipe to a file and pass that")
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass an existing YAML file to --recipe")
     with open(path, "rb") as f:
@@ -138,6 +140,13 @@ def read_mapping(path: Path) -> dict[Any, Any]:
     except DuplicateKey as exc:
         lines = f" (lines {exc.lines[0]} and {exc.lines[1]})" if exc.lines else ""
         raise UserError(f"recipe {path}: key {quote(exc.key)} appears twice{lines}; keep one") from None
+    except yaml.constructor.ConstructorError as exc:  # a tag the safe loader has no constructor for
+        tag = re.search(r"tag '(?:tag:yaml\.org,2002:)?([^']+)'", str(exc.problem))
+        where = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark else ""
+        raise UserError(
+            f"recipe {path}: the tag !!{tag.group(1) if tag else '?'}{where} is not allowed; a recipe holds plain"
+            " values (numbers, text, lists), never objects to build"
+        ) from None
     except (yaml.YAMLError, ValueError) as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where else f" (line {exc.lineno})" if hasattr(exc, "lineno") else ""

@@ -68,6 +68,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "deep.yaml").write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
     (root / "huge-int.yaml").write_text(f"epochs: {10**400}\n")
     (root / "twice.yaml").write_text("global-batch: 8\nglobal_batch: 16\n")
+    (root / "evil.yaml").write_text('lr: 1e-3\nseed: !!python/object/apply:os.system ["touch {}"]\n'.format(root / "ran"))
+    os.mkfifo(root / "pipe.yaml")  # what `--recipe <(...)` passes: read once, and never by the workers
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
@@ -172,6 +174,8 @@ CASES = [
     (["--recipe", "{unknown-key.yaml}"], "unknown key 'micro_bach'"),
     (["--recipe", "{wrong-type.yaml}"], "key 'global_batch' must be int, got str 'lots'"),
     (["--recipe", "{bad.yaml}"], "is not valid YAML"),
+    (["--recipe", "{evil.yaml}"], "the tag !!python/object/apply:os.system (line 2) is not allowed; a recipe holds"),
+    (["--recipe", "{pipe.yaml}"], "is not a regular file (a pipe?); save the recipe to a file and pass that"),
     (["--recipe", "/no/recipe.yaml"], "recipe /no/recipe.yaml does not exist"),
     (["--world-size", "4"], "--world-size only applies with --plan"),
     (["--nproc", "2", "--plan"], "--plan does not start processes"),
