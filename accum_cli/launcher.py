@@ -63,7 +63,9 @@ class Launch:
         if self.accelerate_config is not None and not self.accelerate_config.strip():
             raise UserError("--accelerate-config is empty; pass a file from recipes/accelerate/, or drop it")
         if self.accelerate_config and self.accelerate_config.startswith("~"):  # `=~/x.yaml`: no shell expands it
-            return dataclasses.replace(self, accelerate_config=str(Path(self.accelerate_config).expanduser())).validate()
+            return dataclasses.replace(
+                self, accelerate_config=str(Path(self.accelerate_config).expanduser())
+            ).validate()
         if self.nnodes > 1 and self.master_addr is None and not self.accelerate_config:
             # 127.0.0.1 would have every machine wait for a node 0 of its own, for ever
             raise UserError(f"--nnodes {self.nnodes} needs --master-addr: the address of the machine with node rank 0")

@@ -68,7 +68,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "deep.yaml").write_text("model: " + "[" * 3000 + "]" * 3000 + "\n")
     (root / "huge-int.yaml").write_text(f"epochs: {10**400}\n")
     (root / "twice.yaml").write_text("global-batch: 8\nglobal_batch: 16\n")
-    (root / "evil.yaml").write_text('lr: 1e-3\nseed: !!python/object/apply:os.system ["touch {}"]\n'.format(root / "ran"))
+    (root / "evil.yaml").write_text(
+        'lr: 1e-3\nseed: !!python/object/apply:os.system ["touch {}"]\n'.format(root / "ran")
+    )
     os.mkfifo(root / "pipe.yaml")  # what `--recipe <(...)` passes: read once, and never by the workers
 
     # A real checkpoint of the tiny model, and broken copies of it.
