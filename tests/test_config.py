@@ -193,18 +193,21 @@ def test_the_slurm_recipe_requeues_itself_after_a_preemption_and_only_then(tmp_p
     stubs = {
         "srun": 'SLURM_NODEID=0 "$@"',
         "scontrol": f'[ "$1" = show ] && echo node0 || echo "scontrol $*" >> {log}',
-        "accum-train": f'echo "accum-train $*" >> {log}; exit {code}',
+        "accum-train": f'(IFS="|"; echo "accum-train|$*") >> {log}; exit {code}',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node0",
            "SLURM_NNODES": "1"}  # fmt: skip
-    result = subprocess.run(["bash", str(RECIPES / "slurm/train.sbatch"), "r.yaml"], env=env, capture_output=True,
+    recipe = "it's my r.yaml"  # a quote and a space: passed whole
+    result = subprocess.run(["bash", str(RECIPES / "slurm/train.sbatch"), recipe], env=env, capture_output=True,
                             text=True, timeout=30)  # fmt: skip
     assert result.returncode == code, result.stdout + result.stderr
     calls = log.read_text().splitlines()
-    assert calls[0].startswith("accum-train --recipe r.yaml --resume auto --nproc 8 --nnodes 1 --node-rank 0")
+    want = ["accum-train", "--recipe", recipe, "--resume", "auto", "--nproc", "8", "--nnodes", "1", "--node-rank", "0",
+            "--master-addr", "node0", "--master-port", "29500"]  # fmt: skip
+    assert calls[0].split("|") == want, calls[0]
     assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
 
 
