@@ -312,7 +312,12 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool):
         return ByT5Tokenizer()
     try:
         return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError):  # none there (pre-tokenised data needs none)
+    except (OSError, ValueError, TypeError) as exc:  # none there (pre-tokenised data needs none)
+        if "custom code" in str(exc) or "trust_remote_code" in str(exc):  # there, but it runs code: not dropped unsaid
+            raise UserError(
+                f"--model {source.name}: its tokenizer ships its own code (auto_map) to run at load; read it, then "
+                "pass --trust-remote-code if you trust it"
+            ) from None
         return None
     except Exception as exc:  # files there that do not make a tokenizer (a tokenizer.json of other content)
         raise UserError(

@@ -284,7 +284,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     eval_dataset, eval_stats = None, None
     if cfg.eval_dataset:
         if cfg.streaming:
-            eval_dataset, _, _ = prepare.prepare(
+            eval_dataset, eval_stats, _ = prepare.prepare(
                 raw_eval, tokenizer, options, rt.is_main, leader, barrier, cfg.num_proc
             )
         else:
@@ -292,7 +292,15 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
     if cfg.streaming:
-        replayed = check_stream(dataset, meta, cfg.global_batch, seq_len)
+        try:
+            replayed = check_stream(dataset, meta, cfg.global_batch, seq_len)
+        except StreamEnded:
+            if resume == RESUME_AUTO and finished(out, meta):  # the same command again, after the end
+                raise AlreadyFinished(
+                    f"nothing to do: the stream ended after step {meta.step}, where {out} finished; it holds"
+                    f" {out / 'final'}"
+                ) from None
+            raise
     elif len(dataset) < cfg.global_batch:
         raise UserError(
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
@@ -382,10 +390,14 @@ def check_stream(
             f"the stream holds fewer than one global batch of {global_batch} sequences of up to {seq_len} tokens; "
             "lower --global-batch or --seq-len, or add data"
         )
-    raise UserError(
+    raise StreamEnded(
         f"--resume {meta.path}: the stream ends before sample {first + global_batch:,}, so no step is left after "
         "the checkpoint's; the run is complete"
     )
+
+
+class StreamEnded(UserError):
+    """A resume whose stream holds no step after the checkpoint's: the run ended with its stream."""
 
 
 def _raw(cfg: TrainConfig, evaluation: bool):
@@ -843,7 +855,11 @@ def _write_run_record(s: Setup, start_step: int, record: dict) -> None:
 
 
 def _pad_id(tokenizer, model_config) -> int:
+    """The id padding positions hold. They are masked out of attention and loss, so any id the
+    embedding has pads them alike; one outside it (an old Llama config's -1, a pad token added to
+    the tokenizer without resizing the embeddings) would crash the lookup, so 0 stands in."""
+    vocab = getattr(model_config, "vocab_size", None)
     for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(model_config, "pad_token_id", None)):
-        if isinstance(candidate, int):
+        if isinstance(candidate, int) and candidate >= 0 and (not isinstance(vocab, int) or candidate < vocab):
             return candidate
     return 0

@@ -13,7 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT_TEMPLATE, REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model
+from helpers import (
+    CHAT_TEMPLATE,
+    REPO,
+    env,
+    free_port,
+    read_metrics,
+    rel_err,
+    run_cli,
+    save_tiny_model,
+    write_ragged_tokens,
+)
 from typer.testing import CliRunner
 
 from accum_cli import prepare
@@ -119,6 +129,35 @@ def test_pretokenised_rows_padded_packed_or_truncated(model, tmp_path):
     assert "samples           5;" in packed  # 92 tokens // 16
     truncated = summary("--no-packing", "--seq-len", "16")
     assert "truncated         3 documents" in truncated
+
+
+@pytest.mark.parametrize("where", ["config", "tokenizer"])
+def test_a_pad_id_outside_the_vocabulary_pads_with_one_inside_and_trains_the_same(tmp_path, where):
+    """Padding positions are masked out of attention and loss, so any id in the vocabulary pads them
+    alike. One outside it (an old Llama config's -1 with no tokenizer; a pad token added to the
+    tokenizer without resizing the embeddings: id 384 of 384) crashed the lookup at step 1."""
+    from transformers import AutoTokenizer
+
+    rows = write_ragged_tokens(tmp_path / "rows.jsonl", n_rows=8)
+    runs = {}
+    for name in ("in", "out"):
+        folder = save_tiny_model(tmp_path / name)
+        if where == "config":  # no tokenizer: the config's pad id is the one used
+            for file in folder.iterdir():
+                if "token" in file.name or file.name == "special_tokens_map.json":
+                    file.unlink()
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(config | {"pad_token_id": -1 if name == "out" else 0}))
+        elif name == "out":
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer.add_special_tokens({"pad_token": "<mypad>"})
+            assert tokenizer.pad_token_id == 384
+            tokenizer.save_pretrained(folder)
+        runs[name] = tmp_path / f"run-{name}"
+        result = run_cli(["--model", str(folder), "--dataset", str(rows), "--global-batch", "4", "--micro-batch", "2",
+                          "--max-steps", "2", "--output-dir", str(runs[name])])  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert read_metrics(runs["out"])[-1]["loss"] == read_metrics(runs["in"])[-1]["loss"]
 
 
 def chat_rows(n: int = 26, seed: int = 0) -> list[dict]:

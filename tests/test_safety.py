@@ -36,3 +36,25 @@ def test_code_shipped_with_a_model_never_runs_unasked(tmp_path, model_type, code
     assert not sentinel.exists(), "the model's code ran without --trust-remote-code"
     if code == 2:
         assert "--trust-remote-code" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_that_ships_code_is_refused_by_name_not_dropped_unsaid(tmp_path):
+    """Its auto_map names code to run at load: without --trust-remote-code transformers refuses it,
+    which read as "no tokenizer" (text data: the wrong fix; pre-tokenised data: a final/ without it)."""
+    model = save_tiny_model(tmp_path / "model")
+    sentinel = tmp_path / "remote-code-ran"
+    (model / "my_tokenizer.py").write_text(f"import pathlib\npathlib.Path({str(sentinel)!r}).touch()\n")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config |= {"tokenizer_class": "MyTokenizer", "auto_map": {"AutoTokenizer": ["my_tokenizer.MyTokenizer", None]}}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
+         "--micro-batch", "8", "--output-dir", str(tmp_path / "out")],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"accum-train: error: --model {model}: its tokenizer ships its own code (auto_map) to run at load; read it,"
+        " then pass --trust-remote-code if you trust it"
+    ]
+    assert not sentinel.exists() and not (tmp_path / "out").exists()

@@ -154,6 +154,12 @@ def test_without_a_buffer_the_stream_order_is_kept_to_a_clean_end(files, tmp_pat
     assert [m["loss_tokens"] for m in read_metrics(out) if "loss" in m] == expected
     assert (out / "checkpoints" / "step-000004" / "meta.json").is_file()
     assert (out / "final" / "config.json").is_file()
+    # The same command again (a requeued job's --resume auto): finished where the stream ended.
+    again = run_cli(["--model", str(files["model"]), "--dataset", str(files["rows"]), "--streaming", "--max-steps",
+                     "100", "--global-batch", "5", "--micro-batch", "2", "--shuffle-buffer", "0", "--output-dir",
+                     str(out), "--resume", "auto"])  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to do" in again.stdout and "the stream ended after step 4" in again.stdout, again.stdout
 
 
 @pytest.mark.parametrize(
@@ -164,10 +170,18 @@ def test_without_a_buffer_the_stream_order_is_kept_to_a_clean_end(files, tmp_pat
         (["--max-steps", "2", "--prepare-only"], "--prepare-only has nothing to prepare with --streaming"),
         (["--max-steps", "2", "--shuffle-buffer", "-1"], "--shuffle-buffer must be >= 0"),
         (["--max-steps", "2", "--global-batch", "500"], "the stream holds fewer than one global batch of 500"),
+        # The evaluation's rows must fit the model on the streaming path too (GPT-2 crashed at its first one).
+        (
+            ["--max-steps", "2", "--global-batch", "4", "--eval-dataset", "{long-eval}"],
+            "a pre-tokenised row has 300 tokens, above the model's",
+        ),
     ],
 )
 def test_bad_streaming_input_is_one_line_and_exit_2(files, tmp_path, extra, message):
     out = tmp_path / "out"
+    long_eval = files["root"] / "long-eval.jsonl"
+    long_eval.write_text(json.dumps({"input_ids": [5] * 300}) + "\n")  # the tiny model has 256 positions
+    extra = [str(long_eval) if x == "{long-eval}" else x for x in extra]
     args = ["--model", str(files["model"]), "--dataset", str(files["rows"]), "--streaming", *extra]
     result = CliRunner().invoke(app, [*args, "--micro-batch", "1", "--output-dir", str(out)])
     assert result.exit_code == 2, result.output
