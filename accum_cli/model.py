@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 # API with a private home, imported in this one place (an upgrade that moves it fails at import).
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from accum_cli import grad_use, kernels, moe, outdir
+from accum_cli import cpu_linear, grad_use, kernels, moe, outdir
 from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
@@ -407,8 +407,9 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
     if settings.compile:  # before fully_shard: its hooks then wrap the compiled forward, eager
         compile_layers(model)
-    else:  # compiled from the start, the layers fuse the norm's ops themselves
+    else:  # compiled from the start, the layers fuse the norm's ops and choose their GEMMs themselves
         kernels.fuse_rms_norms(model)
+        cpu_linear.use_onednn(model)
         if settings.compile_auto:
             prepare_compile(model)
     if settings.activation_checkpointing:
@@ -509,6 +510,7 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
         compile_layers(model)
     else:
         kernels.fuse_rms_norms(model)
+        cpu_linear.use_onednn(model)
         if settings.compile_auto:
             prepare_compile(model)
     if settings.activation_checkpointing:

@@ -154,6 +154,25 @@ def test_accumulated_sharded_training_equals_one_big_batch(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("layout, sync", [("shard", "every"), ("replicate", "last")])
+def test_linear_layers_through_onednn_train_the_same(workdir, references, tmp_path, layout, sync):
+    """fp32 CPU linear layers run oneDNN's GEMMs where they are large enough (cpu_linear.py); the tiny
+    model's are not, so ACCUM_TRAIN_ONEDNN=1 takes it for all of them: the same 1e-5, and other bits
+    than torch's own path (=0), so the kernel did run."""
+    runs = {}
+    for mode in ("1", "0") if layout == "shard" else ("1",):
+        runs[mode] = tmp_path / f"onednn-{mode}"
+        args = ["--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"), "--micro-batch", "3",
+                "--sync", sync, "--layout", layout, "--output-dir", str(runs[mode]), *COMMON]  # fmt: skip
+        result = run_cli(args, nproc=2, env_extra={"ACCUM_TRAIN_ONEDNN": mode})
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert_same_training(runs[mode], references["model"])
+    if "0" in runs:
+        ours, torchs = read_metrics(runs["1"]), read_metrics(runs["0"])
+        assert [(m["loss"], m["grad_norm"]) for m in ours] != [(m["loss"], m["grad_norm"]) for m in torchs]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("threshold, compiles", [("0", True), ("1e9", False)], ids=["pays", "does not pay"])
 def test_compile_decided_by_the_measured_steps_keeps_the_training_exact(
     workdir, references, tmp_path, threshold, compiles
