@@ -82,6 +82,7 @@ def test_ragged_example_has_an_empty_last_microbatch():
 def test_a_huge_plan_is_described_at_once():
     """A billion microbatches per rank: the plan's arithmetic and its description are O(1), the
     sizes shortened (the header once printed them all; building them ran out of memory)."""
+    assert "microbatch sizes [4 x 833, 4] / [4 x 833, 3]" in "\n".join(Plan(10**4 + 7, 4, 3).describe())
     plan = Plan(10**12 + 7, 4, 3)
     last = plan.accum_steps - 1
     assert plan.microbatch_range(0, 2, last) == range(plan.rank_offset(2) + 4 * last, 10**12 + 7)
