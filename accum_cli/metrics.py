@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -18,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from accum_cli import outdir
 from accum_cli.loop import StepResult
 
 # Dense bf16 tensor-core peaks (FLOP/s), for MFU on the GPUs people train on.
@@ -172,16 +172,7 @@ def keep_metrics_until(output_dir: Path, step: int) -> None:
     kept = [line for line in lines if (done := _record_step(line)) is not None and done <= step]
     if kept == lines:
         return
-    # Written beside it and renamed over it: a kill or a full disk mid-write leaves the old file whole.
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    outdir.replace_text(path, "".join(line + "\n" for line in kept))
 
 
 def last_logged_step(output_dir: Path) -> int:

@@ -254,3 +254,17 @@ def _in_use(out: Path, holder: Holder | None) -> UserError:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` beside `path` and rename it over: a kill or a full disk mid-write leaves the old
+    file whole, and no temporary file stays behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ import re
 import secrets
 from pathlib import Path
 
+from accum_cli import outdir
 from accum_cli.errors import UserError
 from accum_cli.metrics import last_logged_step
 
@@ -102,9 +103,7 @@ def _read_ids(folder: Path) -> dict:
 
 def _write_ids(folder: Path, ids: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{IDS}.tmp"
-    tmp.write_text(json.dumps(ids) + "\n")
-    os.replace(tmp, folder / IDS)
+    outdir.replace_text(folder / IDS, json.dumps(ids) + "\n")
 
 
 SENT = "sent_until"  # in IDS: the last step W&B and trackio were sent, kept when a rewind drops records

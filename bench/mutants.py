@@ -549,7 +549,7 @@ MUTANTS = [
            "path = save_checkpoint(done, samples - plan.global_batch, draw=False)",
            (CK, "-k", "sigterm_stops_every_rank")),
     # 5 Dec 2026 (seventh session): fixes from four reviews, and oneDNN's GEMMs.
-    Mutant("metrics: a resume rewrites metrics.jsonl in place", "accum_cli/metrics.py",
+    Mutant("outdir: a resume rewrites metrics.jsonl in place", "accum_cli/outdir.py",
            "        os.replace(tmp, path)\n    finally:\n        tmp.unlink(missing_ok=True)",
            "        os.replace(tmp, path)\n    finally:\n        tmp.unlink(missing_ok=True)\n    path.write_text('')",
            ("tests/test_metrics.py", "-k", "half_written")),
