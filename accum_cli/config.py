@@ -265,19 +265,14 @@ def _out_of_bounds(f: dataclasses.Field, value: Any) -> str | None:
     below = (le is None or value <= le) and (lt is None or value < lt)
     if above and below:
         return None
-    low = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
-    high = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
+    # each side as (interval notation, words)
+    low = (f"[{ge}", f">= {ge}") if ge is not None else (f"({gt}", f"> {gt}") if gt is not None else None
+    high = (f"{le}]", f"<= {le}") if le is not None else (f"{lt})", f"< {lt}") if lt is not None else None
     if low is not None and high is not None:
-        return f"{name} must lie in {low}, {high}, got {got}"
+        return f"{name} must lie in {low[0]}, {high[0]}, got {got}"
     if low is not None:
-        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be {_side(low)}, got {got}"
-    return f"{name} must be {_side(high)}, got {got}"
-
-
-def _side(bound: str) -> str:
-    """One side of an interval in words: '[1' -> '>= 1', '(0' -> '> 0', '5]' -> '<= 5', '5)' -> '< 5'."""
-    words = {"[": ">= ", "(": "> ", "]": "<= ", ")": "< "}
-    return words[bound[0]] + bound[1:] if bound[0] in "[(" else words[bound[-1]] + bound[:-1]
+        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be {low[1]}, got {got}"
+    return f"{name} must be {high[1]}, got {got}"
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
