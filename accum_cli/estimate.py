@@ -30,7 +30,7 @@ from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 5  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 6  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 
@@ -59,7 +59,12 @@ class Query:
         import torch
         import transformers
 
-        text = json.dumps([CACHE_VERSION, torch.__version__, transformers.__version__, asdict(self)], sort_keys=True)
+        from accum_cli import fused_loss
+
+        fused = fused_loss.enabled(os.environ)  # the child measures as the run will train
+        text = json.dumps(
+            [CACHE_VERSION, torch.__version__, transformers.__version__, fused, asdict(self)], sort_keys=True
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -361,7 +366,7 @@ def _fake_model(query: Query, fake_mode):
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from accum_cli import kernels, optim
+    from accum_cli import fused_loss, kernels, optim
     from accum_cli import model as modeling
     from accum_cli.config import TrainConfig
     from accum_cli.runtime import Runtime
@@ -375,6 +380,7 @@ def _fake_model(query: Query, fake_mode):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
             model.train()
             kernels.fuse_rms_norms(model)  # as model.build_replicated does
+            fused_loss.install(model)
             if query.activation_checkpointing:  # as model.build_replicated does
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accum_cli import grad_use, moe, policy, reduce
+from accum_cli import fused_loss, grad_use, moe, policy, reduce
 from accum_cli.data import Microbatch
 from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
@@ -76,7 +76,9 @@ def microbatch_backward(
     mb = mb.to(device)
     # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-    mb_loss_sum = token_loss_sum(out.logits, mb.labels)
+    recorded = fused_loss.recorded(model, out.logits)
+    mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
+    del recorded
     loss = mb_loss_sum / loss_tokens
     aux = None
     if router is not None and not mb.empty:

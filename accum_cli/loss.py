@@ -30,20 +30,24 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits: (batch, seq, vocab) in any float dtype; labels: (batch, seq), IGNORE_INDEX where a
     position does not count. Position t predicts label t + 1; the last position predicts nothing."""
     vocab = logits.size(-1)
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE_INDEX)], dim=1)
-    return _CrossEntropySum.apply(logits.reshape(-1, vocab), targets.reshape(-1))
+    return _CrossEntropySum.apply(logits.reshape(-1, vocab), shifted_targets(labels).reshape(-1))
 
 
-def _chunk_starts(logits: torch.Tensor) -> tuple[int, Sequence[int]]:
-    """Rows per chunk, and the first row of each chunk.
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts: the next one; the last position predicts nothing."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE_INDEX)], dim=1)
+
+
+def chunk_starts(rows: torch.Tensor, rows_per_chunk: int) -> tuple[int, Sequence[int]]:
+    """Rows per chunk (at least one), and the first row of each chunk.
 
     The memory estimate (estimate.py) runs this code on fake tensors, where a chunk takes the same
     time whatever its size and every chunk allocates and frees what the one before it did: there
     the first and the last (maybe shorter) chunk give the step's peak, in a time that does not grow
     with the micro batch (every chunk took ~15 ms; a 128K vocabulary at seq 2048: ~1 s a sequence)."""
-    step = max(1, CHUNK_ELEMENTS // logits.size(1))
-    starts = range(0, logits.size(0), step)
-    if len(starts) > 2 and isinstance(logits, FakeTensor):
+    step = max(1, rows_per_chunk)
+    starts = range(0, rows.size(0), step)
+    if len(starts) > 2 and isinstance(rows, FakeTensor):
         return step, (starts[0], starts[-1])
     return step, starts
 
@@ -54,7 +58,7 @@ class _CrossEntropySum(torch.autograd.Function):
         counts = targets != IGNORE_INDEX
         safe = torch.where(counts, targets, 0)  # an ignored row reads column 0, then is masked out
         log_norm = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
-        step, starts = _chunk_starts(logits)
+        step, starts = chunk_starts(logits, CHUNK_ELEMENTS // logits.size(1))
         for start in starts:
             log_norm[start : start + step] = torch.logsumexp(logits[start : start + step].float(), dim=-1)
         picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
@@ -68,7 +72,7 @@ class _CrossEntropySum(torch.autograd.Function):
         logits, safe, counts, log_norm = ctx.saved_tensors
         grad = torch.empty_like(logits)
         row_scale = torch.where(counts, grad_total.float(), 0.0).unsqueeze(1)
-        step, starts = _chunk_starts(logits)
+        step, starts = chunk_starts(logits, CHUNK_ELEMENTS // logits.size(1))
         for start in starts:
             rows = slice(start, start + step)
             out = grad[rows] if grad.dtype == torch.float32 else None  # fp32: no working copy at all

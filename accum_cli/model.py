@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 # API with a private home, imported in this one place (an upgrade that moves it fails at import).
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from accum_cli import cpu_linear, grad_use, kernels, moe, outdir
+from accum_cli import cpu_linear, fused_loss, grad_use, kernels, moe, outdir
 from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
@@ -412,6 +412,7 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
         cpu_linear.use_onednn(model)
         if settings.compile_auto:
             prepare_compile(model)
+    fused = not settings.bf16 and fused_loss.install(model, torch.device(mesh.device_type))  # fp32 only
     if settings.activation_checkpointing:
         # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -431,7 +432,9 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
             embedding.set_unshard_in_backward(False)  # so gathering it there would only add to the step's peak
     if head is not None:  # its backward follows its forward at once: resharding between them only re-gathers
         fully_shard(head, **(kwargs | {"reshard_after_forward": False}))
-    fully_shard(model, **kwargs)
+    # The fused loss reads the output projection's weight after the forward; where the root holds
+    # it (tied), the root keeps its parameters until its backward, which gathers them first anyway.
+    fully_shard(model, **(kwargs | {"reshard_after_forward": False} if fused else kwargs))
     # FSDP2 leaves a parameter without a gradient on this rank (an expert no token of this rank
     # reached) out of its reduce-scatter, so the ranks' collectives would differ in size: gloo
     # aborts, NCCL hangs. Zeros in its place keep them alike and add nothing to the sum; one that
@@ -513,6 +516,7 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
         cpu_linear.use_onednn(model)
         if settings.compile_auto:
             prepare_compile(model)
+    fused_loss.install(model, rt.device)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -22,6 +22,7 @@ from accum_cli import (
     checkpoint,
     data,
     fit,
+    fused_loss,
     hostmem,
     isolate,
     layout,
@@ -628,6 +629,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         wrapped = modeling.describe_sharding(model)
     if rt.is_main:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
+        print(f"  {'loss':<18}{fused_loss.describe(model)}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     pad_id = _pad_id(s.tokenizer, s.model_config)
     if cfg.streaming:

@@ -271,7 +271,8 @@ def test_replicated_micro_batch_auto_is_the_largest_that_fits_it(cache):
 def test_an_untied_embedding_and_head_are_not_gathered_together(cache, tmp_path):
     """Each an FSDP unit of its own (model.edge_units): at the step's peak at most one of them is
     unsharded. In the root they were both, for the whole step (250 MiB of gathered parameters at
-    this peak, against 75 MiB as units of their own)."""
+    this peak, against 75 MiB as units of their own; 12 MiB, a decoder layer, since the fused loss
+    moved the peak to the head's gradient reduction, its weight resharded)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
@@ -280,7 +281,7 @@ def test_an_untied_embedding_and_head_are_not_gathered_together(cache, tmp_path)
         [estimate.Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)]
     )
     one_matrix = 32000 * 512 * 4
-    assert one_matrix <= found[0].breakdown["unsharded_params"] < 1.25 * one_matrix, found[0].breakdown
+    assert found[0].breakdown["unsharded_params"] < 1.25 * one_matrix, found[0].breakdown
 
 
 def test_gpu_check_imports_and_parses_its_arguments():
