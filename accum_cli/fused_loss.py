@@ -10,8 +10,9 @@ gradients of that chunk), so one chunk of logits is alive at a time and nothing 
 backward but the gradients themselves. The same GEMMs as the projection's own forward and
 backward; the weight's gradient is summed over the chunks (fp32 reassociation only, tested).
 
-How: the output embedding's forward, while training with gradients on, records its input and
-returns a zero-strided placeholder of the logits' shape instead of computing them. A model that
+How: the output embedding's forward, inside the run's own microbatch step (`recording`), records its
+input and returns a zero-strided placeholder of the logits' shape instead of computing them; any
+other forward (evaluation, a caller's own `model(..., labels=...)`) gets real logits. A model that
 hands its logits out untouched (Llama, Mistral, Qwen, GPT-2, ...) hands out that very object, and
 the loss is then computed from the recorded input. A model that changes them after the projection
 (Gemma's softcapping, Cohere's logit scale) would compute on the placeholder: a probe forward of
@@ -23,8 +24,10 @@ ACCUM_TRAIN_FUSED_LOSS=0 leaves every head alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +92,24 @@ def _plain_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[None]:
+    """The forwards inside record (where the model has a recording head); none outside."""
+    head = getattr(model, ATTRIBUTE, None)
+    if head is None:
+        yield
+        return
+    head._accum_train_armed = True
+    try:
+        yield
+    finally:
+        head._accum_train_armed = False
+
+
 def _recording_forward(head: nn.Linear, project, hidden: torch.Tensor) -> torch.Tensor:
-    if not (head.training and torch.is_grad_enabled()) or hidden.dtype != torch.float32:
-        return project(hidden)  # evaluation, generation: real logits
+    armed = head.__dict__.get("_accum_train_armed", False) and head.training and torch.is_grad_enabled()
+    if not armed or hidden.dtype != torch.float32:
+        return project(hidden)  # evaluation, generation, anyone else's forward: real logits
     placeholder = _Placeholder.apply(hidden, head.out_features)
     head._accum_train_recorded = Recorded(hidden, head.weight, head.bias, placeholder)
     return placeholder
@@ -120,18 +138,19 @@ def _passes_placeholder_through(model: nn.Module, head: nn.Linear) -> bool:
         else:
             head.forward = own_forward
         head.__dict__.pop("_accum_train_recorded", None)
+        head.__dict__.pop("_accum_train_armed", None)
         model.train(training)
 
 
 def _forced(head: nn.Linear, probe, hidden: torch.Tensor) -> torch.Tensor:
-    """The recording forward as it runs in training, under the probe's eval and no_grad."""
+    """The recording forward as it runs in the step, under the probe's eval and no_grad."""
     was = head.training
-    head.training = True
+    head.training, head._accum_train_armed = True, True
     try:
         with torch.enable_grad():
             return probe(hidden)
     finally:
-        head.training = was
+        head.training, head._accum_train_armed = was, False
 
 
 def recorded(model: nn.Module, logits: torch.Tensor) -> Recorded | None:

@@ -75,7 +75,8 @@ def microbatch_backward(
         set_sync_flags(model, sync, is_last)
     mb = mb.to(device)
     # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    with fused_loss.recording(model):  # the output projection left to the loss, where it is fused
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
     recorded = fused_loss.recorded(model, out.logits)
     mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
     del recorded

@@ -401,18 +401,26 @@ class InPlaceReduceScatter(ReduceScatter):
         output_tensor.copy_(shards[dist.get_rank(group)])
 
 
+def _eager_kernels_and_fused_loss(model: nn.Module, settings: ShardSettings, device: torch.device) -> bool:
+    """The eager kernels where the layers stay eager (compiled, they fuse the norm's ops and choose
+    their GEMMs themselves), then the fused loss (fused_loss.py, fp32 only), whose probe runs the
+    model once: before any layer is compiled, so that the probe is not the compiled layers' first
+    call. Returns whether the loss is fused."""
+    if not settings.compile:
+        kernels.fuse_rms_norms(model)
+        cpu_linear.use_onednn(model)
+    return not settings.bf16 and fused_loss.install(model, device)
+
+
 def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     """fully_shard each decoder layer, then the root; gradients are summed, never averaged.
 
     On a 2-D mesh (replicate, shard) fully_shard gives HSDP."""
+    fused = _eager_kernels_and_fused_loss(model, settings, torch.device(mesh.device_type))
     if settings.compile:  # before fully_shard: its hooks then wrap the compiled forward, eager
         compile_layers(model)
-    else:  # compiled from the start, the layers fuse the norm's ops and choose their GEMMs themselves
-        kernels.fuse_rms_norms(model)
-        cpu_linear.use_onednn(model)
-        if settings.compile_auto:
-            prepare_compile(model)
-    fused = not settings.bf16 and fused_loss.install(model, torch.device(mesh.device_type))  # fp32 only
+    elif settings.compile_auto:
+        prepare_compile(model)
     if settings.activation_checkpointing:
         # Inside each layer's forward, so FSDP's hooks re-gather the layer for the recompute.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -509,14 +517,11 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
     """The whole model on every rank (layout.py): every rank reads the same weights, or draws
     the same ones from the seed, so the replicas start equal and stay equal."""
     model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
+    _eager_kernels_and_fused_loss(model, settings, rt.device)
     if settings.compile:
         compile_layers(model)
-    else:
-        kernels.fuse_rms_norms(model)
-        cpu_linear.use_onednn(model)
-        if settings.compile_auto:
-            prepare_compile(model)
-    fused_loss.install(model, rt.device)
+    elif settings.compile_auto:
+        prepare_compile(model)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

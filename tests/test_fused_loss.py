@@ -154,9 +154,44 @@ def test_the_heads_own_forward_survives_the_probe(monkeypatch, setting):
     assert head.weight.shape in calls, "evaluation projects through the head's own forward"
 
 
+def test_a_forward_outside_the_step_gets_real_logits():
+    """Only the run's own microbatch step records: a caller's forward in training mode, with
+    gradients, gets the model's own logits and loss."""
+    plain, fused = tiny(), tiny()
+    assert fused_loss.install(fused)
+    mb = microbatch(384)
+    want, got = (m(input_ids=mb.input_ids, labels=mb.labels) for m in (plain, fused))
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert fused_loss.recorded(fused, got.logits) is None
+
+
 def test_logits_changed_after_the_probe_are_a_fault_not_zeros():
     model = tiny()
     assert fused_loss.install(model)
-    out = model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+    with fused_loss.recording(model):
+        out = model(input_ids=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(RuntimeError, match="ACCUM_TRAIN_FUSED_LOSS=0"):
         fused_loss.recorded(model, out.logits * 2.0)
+
+
+def test_the_probe_runs_before_the_layers_are_compiled(tmp_path):
+    """`--compile`: the probe's forward is not the compiled layers' first call, which would compile
+    them for a two-token evaluation first and again for training (20-70 s each on a cold cache)."""
+    from helpers import save_tiny_model
+    from torch._dynamo.utils import counters
+
+    from accum_cli import model as modeling
+    from accum_cli.config import TrainConfig
+    from accum_cli.runtime import Runtime
+    from accum_cli.sharding import ShardSettings
+
+    source = modeling.resolve_source(str(save_tiny_model(tmp_path / "model")))
+    config = modeling.load_config(source, False)
+    torch._dynamo.reset()
+    counters.clear()
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"))
+    model = modeling.build_replicated(source, config, TrainConfig(), ShardSettings(compile=True), rt)
+    assert fused_loss.describe(model).startswith("fused")
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
+    microbatch_backward(model, microbatch(300, rows=2, seq=8), "last", True, 14, torch.device("cpu"))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
