@@ -492,6 +492,24 @@ def edge_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     return own(pair[0]), own(pair[1])
 
 
+def vocabulary_gathers(model: nn.Module, min_bytes: int) -> list[nn.Module]:
+    """The sharded modules whose forward gathers a vocabulary matrix of at least min_bytes: the
+    root (whose forward begins with the input embedding's gather, or holds a tied one) and an
+    output projection that is a unit of its own."""
+
+    def matrix_bytes(module) -> int:
+        weight = getattr(module, "weight", None)
+        return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0
+
+    head = edge_units(model)[1]
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    gathers = [(model, embedding), (head, head)]  # an own unit's (edge_units), else gathered with the root
+    return [module for module, matrix in gathers if module is not None and matrix_bytes(matrix) >= min_bytes]
+
+
 def describe_sharding(model: nn.Module) -> str:
     """The header's line on what was wrapped: layer class, FSDP units, the root's parameters."""
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]

@@ -612,21 +612,23 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
     replicated = s.layout.layout == layout.REPLICATE
-    if rt.device.type == "cpu":  # malloc set for what the layout is for (hostmem.py)
-        if replicated and hostmem.keep_the_heap():
-            host = "freed tensors kept on the heap for the next microbatch (fixed mmap and trim thresholds)"
-        elif not replicated and hostmem.follow_live_tensors():
-            host = "freed tensors go back to the system (fixed mmap threshold)"
-        else:
-            host = None
-        if host and rt.is_main:
-            print(f"  {'host memory':<18}{host}", flush=True)
+    host = None  # malloc set for what the layout is for (hostmem.py), on CPU
+    if rt.device.type == "cpu" and replicated and hostmem.keep_the_heap():
+        host = "freed tensors kept on the heap for the next microbatch (fixed mmap and trim thresholds)"
+    elif rt.device.type == "cpu" and not replicated and hostmem.follow_live_tensors():
+        host = "freed tensors go back to the system (fixed mmap threshold)"
     if replicated:
         model = modeling.build_replicated(s.source, s.model_config, cfg, s.settings, rt)
         wrapped = modeling.describe_replicated(model)
     else:
         model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
         wrapped = modeling.describe_sharding(model)
+        gathers = modeling.vocabulary_gathers(model, hostmem.LEAN_THRESHOLD_BYTES) if host else []
+        if gathers:  # host is set only where glibc's malloc is (follow_live_tensors)
+            hostmem.give_back_before(gathers)
+            host += f"; the heap's free pages too, before {len(gathers)} vocabulary gather(s) a microbatch"
+    if host and rt.is_main:
+        print(f"  {'host memory':<18}{host}", flush=True)
     if rt.is_main:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
         print(f"  {'loss':<18}{fused_loss.describe(model)}", flush=True)

@@ -670,6 +670,17 @@ MUTANTS = [
     Mutant("fused_loss: the root resharded after the forward (the tied head's weight freed)", "accum_cli/model.py",
            'kwargs | {"reshard_after_forward": False} if fused else kwargs', "kwargs",
            ("tests/test_equivalence.py",)),
+    Mutant("hostmem: the give-back hook returns malloc_trim's result (the forward's arguments replaced)",
+           "accum_cli/hostmem.py", "    def give_back(_module, _args) -> None:  # None: the forward's arguments stay as they are\n        trim(0)",
+           "    def give_back(_module, _args) -> None:  # None: the forward's arguments stay as they are\n        return trim(0)",
+           ("tests/test_hostmem.py",)),
+    Mutant("hostmem: the heap's free pages never given back", "accum_cli/hostmem.py",
+           "        module.register_forward_pre_hook(give_back, prepend=True)", "        pass",
+           ("tests/test_hostmem.py",)),
+    Mutant("vocabulary gathers: a matrix at the threshold left out", "accum_cli/model.py",
+           "matrix_bytes(matrix) >= min_bytes", "matrix_bytes(matrix) > min_bytes", ("tests/test_hostmem.py",)),
+    Mutant("vocabulary gathers: the root's (the input embedding's) left out", "accum_cli/model.py",
+           "gathers = [(model, embedding), (head, head)]", "gathers = [(head, head)]", ("tests/test_hostmem.py",)),
 ]  # fmt: skip
 
 

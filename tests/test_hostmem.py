@@ -8,7 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import REPO, env
+import torch
+from helpers import REPO, env, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
 
 SCRIPT = """
 import sys, torch
@@ -89,3 +90,79 @@ def test_glibc_alone_faults_the_heap_back_in_and_the_kept_heap_does_not():
 def test_the_users_own_trim_setting_stands():
     was_set, count = faults("heap", MALLOC_TRIM_THRESHOLD_=str(128 * 2**10))
     assert was_set == "False" and count > 15000  # theirs (trim at 128 KiB, no dynamic threshold) rules
+
+
+GIVE_BACK = """
+import sys, torch
+from accum_cli import hostmem
+def rss_mib():
+    return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+print(hostmem.follow_live_tensors())
+gather = torch.nn.Linear(4, 4)  # stands for a unit whose forward gathers a vocabulary matrix
+if sys.argv[1] == "give-back":
+    hostmem.give_back_before([gather])
+x = torch.randn(2, 4)
+blocks = [torch.ones(2**20) for _ in range(16)]  # 16 x 4 MiB, under the fixed threshold: the heap's
+pin = torch.ones(2**18)  # 1 MiB above them: the heap's top cannot shrink past it
+before = rss_mib()
+del blocks  # 64 MiB of free heap pages, still resident
+freed = rss_mib()
+y = gather(x)
+assert torch.equal(y, torch.nn.functional.linear(x, gather.weight, gather.bias)), "the forward's input changed"
+print(freed - rss_mib())
+"""
+
+
+def test_a_sharded_run_gives_the_heaps_free_pages_back_before_a_vocabulary_gather():
+    """What a microbatch frees in the middle of the heap stays resident until the hook before
+    the module's forward hands it back (malloc_trim); the forward itself is untouched."""
+    was_set, given_back = in_fresh_process(GIVE_BACK, "give-back")
+    assert was_set == "True" and given_back > 48
+    assert in_fresh_process(GIVE_BACK, "none")[1] < 8  # the problem is real here: nothing else returns them
+
+
+def test_only_vocabulary_matrices_above_the_threshold_are_worth_the_page_faults(tmp_path):
+    """The root (its forward begins with the embedding's gather) and an output projection of its
+    own, where the matrix is at least the mmap threshold: one below it is served from the heap's
+    free pages anyway, and trimming them would only cost page faults (15% of the speed workload's
+    tokens/s when every gather trimmed). A tied head is gathered with the root: the root alone."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from accum_cli import model as modeling
+    from accum_cli.sharding import ShardSettings
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # conftest ends it
+    mesh = init_device_mesh("cpu", (1,))
+    for tied in (False, True):
+        folder = save_tiny_model(tmp_path / f"tied-{tied}", tied=tied)
+        model = modeling.shard(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), mesh, ShardSettings())
+        matrix = 384 * 64 * 4  # the tiny model's vocabulary x hidden, fp32
+        at, above = modeling.vocabulary_gathers(model, matrix), modeling.vocabulary_gathers(model, matrix + 1)
+        assert at == ([model] if tied else [model, model.get_output_embeddings()])
+        assert above == []
+
+
+def test_a_sharded_run_with_a_large_vocabulary_gives_the_heap_back_and_trains_the_same(tmp_path):
+    """A real 2-rank sharded run whose vocabulary matrices pass the threshold (32768 x 64 fp32:
+    8 MiB each, untied): both gathers get the hook, the header says so, and its first step is the
+    replicated single-process run's (the hook touches malloc, never the forward's arguments)."""
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    ByT5Tokenizer().save_pretrained(tmp_path / "model")
+    data = write_ragged_tokens(tmp_path / "data.jsonl", n_rows=8)
+    common = ["--model", str(tmp_path / "model"), "--dataset", str(data), "--global-batch", "4", "--micro-batch", "1",
+              "--max-steps", "1", "--lr", "1e-3", "--no-compile"]  # fmt: skip
+    sharded = run_cli([*common, "--layout", "shard", "--output-dir", str(tmp_path / "shard")], nproc=2)
+    assert sharded.returncode == 0, sharded.stdout + sharded.stderr
+    assert "the heap's free pages too, before 2 vocabulary gather(s) a microbatch" in sharded.stdout
+    whole = run_cli([*common, "--layout", "replicate", "--output-dir", str(tmp_path / "whole")])
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    (got,), (want,) = read_metrics(tmp_path / "shard"), read_metrics(tmp_path / "whole")
+    assert rel_err(got["loss"], want["loss"]) < 1e-5 and rel_err(got["grad_norm"], want["grad_norm"]) < 1e-5
