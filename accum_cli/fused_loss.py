@@ -64,7 +64,10 @@ def install(model: nn.Module, device: torch.device | None = None) -> bool:
     agrees. After any other change to the head's forward, before fully_shard (whose hooks then
     wrap this forward). Returns whether it was installed."""
     head = _plain_head(model)
-    fits = head is not None and enabled(os.environ) and _passes_placeholder_through(model, head)
+    # A rank that builds on meta to receive its weights by broadcast (rank-0 loading) cannot run
+    # the probe (transformers' masks read values): it goes with the ranks that hold the weights.
+    on_meta = head is not None and head.weight.is_meta
+    fits = head is not None and enabled(os.environ) and (on_meta or _passes_placeholder_through(model, head))
     # A head left alone is gathered in another order than a recording one: the ranks must agree.
     # Not on fake tensors (the memory estimate: one process, its collectives no-ops).
     if device is not None and dist.is_initialized() and not (head is not None and is_fake(head.weight)):
@@ -117,8 +120,8 @@ def _recording_forward(head: nn.Linear, project, hidden: torch.Tensor) -> torch.
 
 def _passes_placeholder_through(model: nn.Module, head: nn.Linear) -> bool:
     """A two-token forward with the recording head: are the output's logits the placeholder?
-    On the model's own device (meta on the ranks that receive their weights by broadcast, fake
-    tensors in the memory estimate), in eval mode so that dropout draws nothing."""
+    On the model's own device (fake tensors in the memory estimate), in eval mode so that dropout
+    draws nothing."""
     device = head.weight.device
     training = model.training
     own_forward = head.__dict__.get("forward")  # oneDNN's (cpu_linear.py), or none: the class's
@@ -180,6 +183,9 @@ def token_loss_sum(rec: Recorded, labels: torch.Tensor) -> torch.Tensor:
     """The sum of next-token cross-entropies over the positions that count, from the head's input:
     `loss.token_loss_sum(F.linear(hidden, weight, bias), labels)` without whole logits."""
     targets = shifted_targets(labels).reshape(-1)
+    if rec.hidden.shape[:-1].numel() != targets.numel():  # a model that projects only some positions
+        raise RuntimeError(f"the output projection got {rec.hidden.shape[:-1].numel()} positions for "
+                           f"{targets.numel()} labels; set ACCUM_TRAIN_FUSED_LOSS=0")  # fmt: skip
     return _LinearCrossEntropySum.apply(rec.hidden, rec.weight, rec.bias, rec.placeholder, targets)
 
 
@@ -214,6 +220,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if bias is not None and wants[2] else None
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         step, starts = chunk_starts(rows, CHUNK_ELEMENTS // weight.size(0))
+        if grad_weight is not None and not starts:  # no rows: no chunk writes it
+            grad_weight.zero_()
         for start in starts:
             span = slice(start, start + step)
             h, mask, target = rows[span], counts[span], safe[span].unsqueeze(1)
@@ -242,6 +250,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads, ctx.grads = ctx.grads, None  # released here: autograd may then take them without a copy
+        if grads is None:  # scaled in place and handed on the first time: a second backward has none
+            raise RuntimeError("the fused loss's backward ran twice; set ACCUM_TRAIN_FUSED_LOSS=0 to retain its graph")
         for grad in grads:
             if grad is not None:
                 grad.mul_(grad_total)

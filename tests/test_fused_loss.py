@@ -195,3 +195,53 @@ def test_the_probe_runs_before_the_layers_are_compiled(tmp_path):
     assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
     microbatch_backward(model, microbatch(300, rows=2, seq=8), "last", True, 14, torch.device("cpu"))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def recorded_for(hidden: torch.Tensor, head: nn.Linear) -> fused_loss.Recorded:
+    hidden = hidden.detach().requires_grad_()
+    return fused_loss.Recorded(hidden, head.weight, head.bias, fused_loss._Placeholder.apply(hidden, head.out_features))
+
+
+def test_no_positions_give_a_zero_weight_gradient_not_uninitialised_memory():
+    """A microbatch of no positions runs no chunk: its weight gradient is zeros, as the plain
+    projection's is (the buffer it would have been summed into is never written otherwise)."""
+    head = nn.Linear(24, 301, bias=False)
+    with torch.no_grad():
+        head.weight.fill_(float("nan"))  # whatever the allocator hands back, the gradient must not read it
+    torch.manual_seed(0)
+    for _ in range(3):  # garbage left in freed memory is what an unwritten buffer would show
+        torch.randn(301, 24).mul_(1e30)
+        fused_loss.token_loss_sum(
+            recorded_for(torch.randn(0, 9, 24), head), torch.zeros(0, 9, dtype=torch.long)
+        ).backward()
+        assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+        head.weight.grad = None
+
+
+def test_a_model_that_projects_fewer_positions_than_it_has_labels_is_refused():
+    """A head that saw only some positions (a model that slices its hidden states first, as
+    `logits_to_keep` does) would pair each row with another position's label: refused by name."""
+    head = nn.Linear(24, 301)
+    rec = recorded_for(torch.randn(2, 1, 24), head)  # one position kept of nine
+    with pytest.raises(RuntimeError, match="2 positions for 18 labels; set ACCUM_TRAIN_FUSED_LOSS=0"):
+        fused_loss.token_loss_sum(rec, labelled(301, rows=2, seq=9))
+
+
+def test_a_second_backward_through_the_fused_loss_is_refused_by_name():
+    """Its gradients are scaled in place and handed to autograd the first time."""
+    head = nn.Linear(24, 301)
+    loss = fused_loss.token_loss_sum(recorded_for(torch.randn(2, 9, 24), head), labelled(301, rows=2, seq=9))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_rank_that_builds_on_meta_goes_with_the_ranks_that_hold_the_weights(attention):
+    """Rank-0 loading: the other ranks build on meta and receive their weights by broadcast. The
+    probe cannot run there (transformers' eager mask reads values: `.item()` on meta), so such a
+    rank installs as the ranks with weights decide (their answer, all_ok'd, is the run's)."""
+    with torch.device("meta"):
+        model = tiny(attention=attention)
+    assert fused_loss.install(model)
+    assert fused_loss.describe(model).startswith("fused with the output projection")
