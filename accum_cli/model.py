@@ -225,7 +225,15 @@ def check_weights(source: ModelSource) -> None:
         return
     from safetensors import safe_open
 
-    for file in sorted(Path(source.location).glob("*.safetensors")):
+    folder = Path(source.location)
+    # transformers reads a single model.safetensors first and never looks at an index beside it:
+    # a sharded save into a folder that held a single file would train from the old weights.
+    if (folder / "model.safetensors").is_file() and (folder / "model.safetensors.index.json").is_file():
+        raise UserError(
+            f"--model {source.name}: holds both model.safetensors and model.safetensors.index.json (sharded "
+            "weights); transformers would load model.safetensors alone: remove whichever of the two is stale"
+        )
+    for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as weights:
                 weights.keys()

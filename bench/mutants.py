@@ -690,6 +690,9 @@ MUTANTS = [
            ("tests/test_fused_loss.py", "-k", "positions")),
     Mutant("fused_loss: a second backward reaches None", "accum_cli/fused_loss.py",
            "        if grads is None:", "        if False:", ("tests/test_fused_loss.py", "-k", "second_backward")),
+    Mutant("model: a stale model.safetensors beside a sharded index loaded", "accum_cli/model.py",
+           '    if (folder / "model.safetensors").is_file() and (folder / "model.safetensors.index.json").is_file():',
+           "    if False:", ("tests/test_bad_input.py", "-k", "stale")),
     Mutant("vocabulary gathers: the root's (the input embedding's) left out", "accum_cli/model.py",
            "gathers = [(model, embedding), (head, head)]", "gathers = [(head, head)]", ("tests/test_hostmem.py",)),
 ]  # fmt: skip

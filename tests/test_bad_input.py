@@ -130,6 +130,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "weight_map": {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(weights)},
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    # A sharded save into a folder that held one file: transformers would read the old file alone.
+    folder = save_tiny_model(root / "stale-single")
+    weights = load_file(folder / "model.safetensors")
+    save_file(weights, folder / "model-00001-of-00001.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in weights}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     # A legacy weights file whose pickle would run code: torch.load(weights_only=True) refuses it.
     folder = save_tiny_model(root / "pickled-payload")
     (folder / "model.safetensors").unlink()
@@ -192,6 +198,7 @@ CASES = [
     (["--output-dir", ""], "--output-dir is empty; pass a folder"),
     (["--resume", "{tokens.jsonl}"], "is a file; pass a checkpoint folder (OUTPUT_DIR/checkpoints/step-N)"),
     (["--model", "{half-weights}"], "weights file model.safetensors is corrupt or truncated"),
+    (["--model", "{stale-single}"], "holds both model.safetensors and model.safetensors.index.json"),
     (["--model", "{neg-vocab}"], "its config has vocab_size -5; it must be a positive integer"),
     (["--model", "{deep}"], "asks for 100,000 layers, more than the 2,048 accum-train builds"),
     (["--model", "{text-size}"], "text-size: cannot read its config: Validation error for field 'hidden_size'"),
