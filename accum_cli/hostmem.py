@@ -57,12 +57,15 @@ def follow_live_tensors() -> bool:
     return _set((M_MMAP_THRESHOLD, LEAN_THRESHOLD_BYTES))
 
 
-def give_back_before(modules) -> None:
+def give_back_before(modules) -> bool:
     """Before each forward of these modules (ahead of FSDP's gather, whose hook runs after this
     one), return the heap's free pages to the system. Only where follow_live_tensors was set (so
     glibc's): with glibc's own threshold the heap is where large tensors live, and trimming it
-    would only be paid for again in page faults."""
-    trim = _libc().malloc_trim
+    would only be paid for again in page faults. Returns whether it was set."""
+    try:
+        trim = _libc().malloc_trim
+    except (OSError, AttributeError):  # a C library with mallopt but no malloc_trim
+        return False
     trim.argtypes = [ctypes.c_size_t]
 
     def give_back(_module, _args) -> None:  # None: the forward's arguments stay as they are
@@ -70,6 +73,7 @@ def give_back_before(modules) -> None:
 
     for module in modules:
         module.register_forward_pre_hook(give_back, prepend=True)
+    return True
 
 
 def keep_the_heap() -> bool:

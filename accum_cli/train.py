@@ -624,8 +624,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         model = modeling.build_sharded(s.source, s.model_config, cfg, s.settings, rt, rt.mesh(cfg.replicas))
         wrapped = modeling.describe_sharding(model)
         gathers = modeling.vocabulary_gathers(model, hostmem.LEAN_THRESHOLD_BYTES) if host else []
-        if gathers:  # host is set only where glibc's malloc is (follow_live_tensors)
-            hostmem.give_back_before(gathers)
+        if gathers and hostmem.give_back_before(gathers):  # host is set only where mallopt is
             host += f"; the heap's free pages too, before {len(gathers)} vocabulary gather(s) a microbatch"
     if host and rt.is_main:
         print(f"  {'host memory':<18}{host}", flush=True)
