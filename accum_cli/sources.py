@@ -10,6 +10,7 @@ apart and tokenised in prepare.py (stream.py when streaming).
 from __future__ import annotations
 
 import glob
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,10 @@ def load_raw(
         except UserError:
             raise
         except Exception as exc:  # a malformed file: name it, do not dump the parser's stack
-            raise UserError(f"{flag} {dataset}: cannot read it as {builder}: {first_line(exc)}") from None
+            not_objects = _first_line_not_an_object(files) if builder == "json" else None
+            raise UserError(
+                f"{flag} {dataset}: {not_objects or f'cannot read it as {builder}: {first_line(exc)}'}"
+            ) from None
         if rows.num_rows == 0:
             raise UserError(f"{flag} {dataset} is empty; pass a dataset with at least one row")
         return rows
@@ -137,6 +141,26 @@ def load_raw(
             f"{flag} {dataset} is neither a local path nor a loadable hub dataset "
             f"(config {config_name!r}, split {split!r}): {first_line(exc)}"
         ) from None
+
+
+def _first_line_not_an_object(files: list[Path]) -> str | None:
+    """Where a JSON Lines file's first row is JSON but not an object (a bare list of token ids, a
+    string), what its parser says ("Trailing data at position 7") names neither the row nor the fix."""
+    for file in (f for f in files if f.suffix == ".jsonl"):
+        with open(file, encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(iter(lambda: handle.readline(2**20), ""), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return None  # not JSON at all: the parser's own words say more
+                if isinstance(row, dict):
+                    break
+                kind = {list: "a list", str: "a string"}.get(type(row), "a single value")
+                return (f"line {number} of {file.name} is {kind}, not an object; write one object per line, "
+                        'e.g. {"input_ids": [...]} or {"text": "..."}')  # fmt: skip
+    return None
 
 
 def _local_rows(builder: str, files: list[Path], stream) -> Rows:

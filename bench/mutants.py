@@ -693,6 +693,9 @@ MUTANTS = [
     Mutant("model: a stale model.safetensors beside a sharded index loaded", "accum_cli/model.py",
            '    if (folder / "model.safetensors").is_file() and (folder / "model.safetensors.index.json").is_file():',
            "    if False:", ("tests/test_bad_input.py", "-k", "stale")),
+    Mutant("sources: a JSON Lines file of lists gets the parser's words, not the row and the fix", "accum_cli/sources.py",
+           'not_objects = _first_line_not_an_object(files) if builder == "json" else None', "not_objects = None",
+           ("tests/test_bad_input.py", "-k", "arrays")),
     Mutant("vocabulary gathers: the root's (the input embedding's) left out", "accum_cli/model.py",
            "gathers = [(model, embedding), (head, head)]", "gathers = [(head, head)]", ("tests/test_hostmem.py",)),
 ]  # fmt: skip

@@ -31,6 +31,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     )
     (root / "content.jsonl").write_text('{"content": "hello"}\n')
     (root / "empty.jsonl").write_text("")
+    (root / "arrays.jsonl").write_text("\n[1, 2, 3]\n[4, 5, 6]\n")  # token ids, not rows of columns
     (root / "small.txt").write_text("just a few words of text\n")
     write_ragged_tokens(root / "tokens.jsonl", n_rows=12)
     (root / "a-file").write_text("x")
@@ -164,6 +165,8 @@ CASES = [
     (["--dataset", "/no/such/data.jsonl"], "--dataset /no/such/data.jsonl does not exist"),
     (["--dataset", "{content.jsonl}"], "has no column 'text' (columns: content); pass --text-column NAME"),
     (["--dataset", "{empty.jsonl}"], "is empty; pass a dataset with at least one row"),
+    (["--dataset", "{arrays.jsonl}"],
+     'line 2 of arrays.jsonl is a list, not an object; write one object per line, e.g. {"input_ids": [...]}'),
     (["--dataset", "{small.txt}"], "the dataset holds fewer than --seq-len 1024 tokens; lower --seq-len"),
     (["--dataset", "{tokens.jsonl}", "--model", "{tiny}", "--global-batch", "64"],
      "the dataset holds 12 sequences of up to 256 tokens, fewer than one global batch of 64"),
