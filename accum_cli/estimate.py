@@ -30,7 +30,7 @@ from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
 
-CACHE_VERSION = 6  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 7  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 ESTIMATE_TIMEOUT_S = 1800
 
@@ -260,6 +260,7 @@ def tracked_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from accum_cli import vocab_parallel
     from accum_cli.loop import microbatch_backward
     from accum_cli.reduce import summed_over_ranks
 
@@ -283,6 +284,11 @@ def tracked_step(
         tracker = FSDPMemTracker(model, optimizer)  # entered with the params and AdamW moments already there
         tracker.track_inputs(inputs)
     with tracker:
+        # The tracker wraps every unit's post-backward with its statistics of the unit's forward and
+        # unsharded parameters; a matrix used in place (vocab_parallel.py) has neither, as FSDP never
+        # gathered it: its own post-backward, which finds nothing to reduce, runs unwrapped.
+        for module in vocab_parallel.modules(model):
+            module._get_fsdp_state()._fsdp_param_group.__dict__.pop("post_backward", None)
         # Fake tensors cannot meet a real collective: the estimate leaves it out, not its buffers.
         all_reduce = (lambda flat: None) if is_fake(next(model.parameters())) else None
         for index, mb in enumerate(microbatches):

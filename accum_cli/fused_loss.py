@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from accum_cli import cpu_linear
-from accum_cli.loss import chunk_starts, shifted_targets
+from accum_cli import cpu_linear, vocab_parallel
+from accum_cli.loss import add_projection_gradients, chunk_starts, hand_on, shifted_targets
 from accum_cli.runtime import all_ok
 from accum_cli.store import IGNORE_INDEX
 
@@ -52,6 +52,7 @@ class Recorded:
     weight: torch.Tensor  # as its forward saw it: the gathered weight under FSDP
     bias: torch.Tensor | None
     placeholder: torch.Tensor  # what the forward returned in place of the logits
+    counted: vocab_parallel.Exchange | None = None  # vocabulary-parallel: weight and bias are this rank's shards
 
 
 def enabled(env) -> bool:
@@ -115,6 +116,22 @@ def _recording_forward(head: nn.Linear, project, hidden: torch.Tensor) -> torch.
         return project(hidden)  # evaluation, generation, anyone else's forward: real logits
     placeholder = _Placeholder.apply(hidden, head.out_features)
     head._accum_train_recorded = Recorded(hidden, head.weight, head.bias, placeholder)
+    return placeholder
+
+
+def recording_sharded(shard: vocab_parallel.Shard, hidden: torch.Tensor) -> torch.Tensor:
+    """The training forward of a head whose loss is computed vocabulary-parallel (vocab_parallel.py):
+    records beside its sharded weight without entering the module, so that FSDP's hooks do not
+    gather it. Where the microbatch has too many rows for that, and in any other forward: the module."""
+    head = shard.module
+    if not (head.training and torch.is_grad_enabled() and hidden.dtype == torch.float32):
+        return head(hidden)
+    counted = vocab_parallel.exchange(shard, hidden.shape[:-1].numel())
+    if counted is None:
+        return head(hidden)  # FSDP gathers it, and it records as in the other layouts
+    head.reshard()  # kept gathered by a microbatch before it (last-keep-params): its shards are what is read
+    placeholder = _Placeholder.apply(hidden, head.out_features)
+    head._accum_train_recorded = Recorded(hidden, head.weight, head.bias, placeholder, counted)
     return placeholder
 
 
@@ -186,6 +203,11 @@ def token_loss_sum(rec: Recorded, labels: torch.Tensor) -> torch.Tensor:
     if rec.hidden.shape[:-1].numel() != targets.numel():  # a model that projects only some positions
         raise RuntimeError(f"the output projection got {rec.hidden.shape[:-1].numel()} positions for "
                            f"{targets.numel()} labels; set ACCUM_TRAIN_FUSED_LOSS=0")  # fmt: skip
+    if rec.counted is not None:
+        bias = rec.bias.to_local() if rec.bias is not None else None
+        return vocab_parallel.token_loss_sum(
+            rec.hidden, rec.weight.to_local(), bias, rec.placeholder, targets, rec.counted, CHUNK_ELEMENTS
+        )
     return _LinearCrossEntropySum.apply(rec.hidden, rec.weight, rec.bias, rec.placeholder, targets)
 
 
@@ -233,15 +255,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             probs = logits.sub_(log_norm.unsqueeze(1)).exp_()  # softmax - one-hot, in the logits' place
             probs.scatter_add_(1, target, torch.full_like(probs[:, :1], -1.0))
             probs.mul_(mask.unsqueeze(1))
-            if grad_rows is not None:
-                grad_rows[span] = cpu_linear.linear(probs, weight.t())
-            if grad_weight is not None:
-                if start == starts[0]:
-                    torch.mm(probs.t(), h, out=grad_weight)
-                else:
-                    grad_weight.addmm_(probs.t(), h)
-            if grad_bias is not None:
-                grad_bias += probs.sum(0)
+            add_projection_gradients(probs, h, weight, span, start == starts[0], (grad_rows, grad_weight, grad_bias))
             del logits, probs  # before the next chunk's: one chunk's logits alive, not two
         ctx.grads = (grad_rows.view_as(hidden) if grad_rows is not None else None, grad_weight, grad_bias)
         ctx.placeholder = (placeholder.shape, placeholder.dtype, placeholder.device)
@@ -249,12 +263,4 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        grads, ctx.grads = ctx.grads, None  # released here: autograd may then take them without a copy
-        if grads is None:  # scaled in place and handed on the first time: a second backward has none
-            raise RuntimeError("the fused loss's backward ran twice; set ACCUM_TRAIN_FUSED_LOSS=0 to retain its graph")
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(grad_total)
-        shape, dtype, device = ctx.placeholder
-        zeros = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device).zero_()
-        return (*grads, zeros, None)
+        return (*hand_on(ctx, grad_total), None)

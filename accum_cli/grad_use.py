@@ -120,9 +120,14 @@ class GradientUse:
             self.fsdp_params[index].sharded_param.grad = None
 
 
-def track(model: nn.Module) -> None:
-    """Mark, step by step, the sharded parameters this rank had a gradient for (after fully_shard)."""
+def track(model: nn.Module, born_sharded: set[int] = frozenset()) -> None:
+    """Mark, step by step, the sharded parameters this rank had a gradient for (after fully_shard).
+    `born_sharded`: the ids of parameters whose sharded gradient is computed outside FSDP (vocab_parallel.py),
+    always, as in one process: not tracked."""
     groups = _fsdp_param_groups(model)
+    if groups:
+        groups = [[p for p in group if id(p.sharded_param) not in born_sharded] for group in groups]
+        groups = [group for group in groups if group]
     if groups:
         setattr(model, ATTRIBUTE, GradientUse(model, groups))
 

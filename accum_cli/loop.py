@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accum_cli import fused_loss, grad_use, moe, policy, reduce
+from accum_cli import fused_loss, grad_use, moe, policy, reduce, vocab_parallel
 from accum_cli.data import Microbatch
 from accum_cli.loss import token_loss_sum
 from accum_cli.runtime import all_reduce_sum
@@ -75,7 +75,9 @@ def microbatch_backward(
         set_sync_flags(model, sync, is_last)
     mb = mb.to(device)
     # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
-    with fused_loss.recording(model):  # the output projection left to the loss, where it is fused
+    # The output projection left to the loss, where it is fused; the vocabulary matrices used where
+    # they lie, where the sharded layout can.
+    with vocab_parallel.diverted(model), fused_loss.recording(model):
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
     recorded = fused_loss.recorded(model, out.logits)
     mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
@@ -153,6 +155,7 @@ def train_step(
     one_microbatch = len(microbatches) == 1 and dist.get_world_size() == 1
     exact_aux = bool(aux_coef) and moe_aux_loss == moe.EXACT
     step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
+    vocab_parallel.release(model)  # what the choices' forwards (or an evaluation) left gathered
     router = RouterLoss(aux_coef, config, exact_aux, step_choices) if aux_coef else None
     mb_losses = []  # kept on the device: no host sync per microbatch
     mb_aux = [torch.zeros((), device=device)]

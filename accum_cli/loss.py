@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from accum_cli import cpu_linear
 from accum_cli.store import IGNORE_INDEX
 
 # Rows per chunk keep the fp32 working copy of a chunk (bf16 logits, logsumexp's own) near 32 MiB.
@@ -83,3 +84,34 @@ class _CrossEntropySum(torch.autograd.Function):
                 grad[rows].copy_(probs)
             del probs  # before the next chunk's: one working copy alive, not two
         return grad, None
+
+
+def add_projection_gradients(probs: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, span: slice, first: bool,
+                             grads: tuple) -> None:  # fmt: skip
+    """One chunk's part of a projection's gradients (fused_loss.py, vocab_parallel.py), from its
+    softmax - one-hot `probs` (rows x vocabulary) and input rows `h`: the rows' (written at `span`),
+    the weight's (the `first` chunk writes it, the others add) and the bias's (added). None: not wanted."""
+    grad_rows, grad_weight, grad_bias = grads
+    if grad_rows is not None:
+        grad_rows[span] = cpu_linear.linear(probs, weight.t())
+    if grad_weight is not None:
+        if first:
+            torch.mm(probs.t(), h, out=grad_weight)
+        else:
+            grad_weight.addmm_(probs.t(), h)
+    if grad_bias is not None:
+        grad_bias += probs.sum(0)
+
+
+def hand_on(ctx, grad_total: torch.Tensor) -> tuple:
+    """A fused loss's backward: the gradients its forward computed (ctx.grads), times the loss's own
+    (1 / global loss tokens), then zeros for the logits' placeholder (ctx.placeholder), whose hooks
+    then run as they would for real logits. Released here, so autograd may take them without a copy."""
+    grads, ctx.grads = ctx.grads, None
+    if grads is None:  # scaled in place and handed on the first time: a second backward has none
+        raise RuntimeError("the fused loss's backward ran twice; set ACCUM_TRAIN_FUSED_LOSS=0 to retain its graph")
+    for grad in grads:
+        if grad is not None:
+            grad.mul_(grad_total)
+    shape, dtype, device = ctx.placeholder
+    return (*grads, torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device).zero_())

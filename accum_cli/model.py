@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 # API with a private home, imported in this one place (an upgrade that moves it fails at import).
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from accum_cli import cpu_linear, fused_loss, grad_use, kernels, moe, outdir
+from accum_cli import cpu_linear, fused_loss, grad_use, kernels, moe, outdir, vocab_parallel
 from accum_cli.config import ATTENTION_IMPLEMENTATIONS
 from accum_cli.errors import UserError, first_line
 from accum_cli.sharding import ShardSettings
@@ -457,7 +457,12 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
     # no rank had a gradient for gets none back at the step's end (grad_use.py).
     if hasattr(model, "set_reduce_scatter_unused_params"):  # torch >= 2.9
         model.set_reduce_scatter_unused_params(True)
-    grad_use.track(model)
+    # One shard dimension: the vocabulary matrices are used where they lie (vocab_parallel.py), the
+    # head where the loss is fused.
+    if vocab_parallel.qualifies(mesh, settings.offload_params, settings.bf16):
+        plain = embedding if embedding is not None and vocab_parallel.plain_lookup(embedding) else None
+        vocab_parallel.install(model, mesh.get_group(), plain, head if fused else None, fused_loss.recording_sharded)
+    grad_use.track(model, vocab_parallel.born_sharded(model))
     # The root's outputs (logits, router loss) are read only by our loss code, which never changes
     # them in place, so a view among them (Doge's) cannot drop FSDP2's pre-backward hook.
     root_view_warning = f"FSDP2-wrapped module ({type(model).__name__}) returned a view tensor"
@@ -501,20 +506,21 @@ def edge_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
 
 
 def vocabulary_gathers(model: nn.Module, min_bytes: int) -> list[nn.Module]:
-    """The sharded modules whose forward gathers a vocabulary matrix of at least min_bytes: the
-    root (whose forward begins with the input embedding's gather, or holds a tied one) and an
-    output projection that is a unit of its own."""
+    """The sharded modules whose forward gathers a vocabulary matrix of at least min_bytes: the input
+    embedding and the output projection where each is a unit of its own (edge_units), else the root
+    that holds it. Where one is used in place (vocab_parallel.py), its own forward runs only when
+    it is gathered after all: a microbatch of more rows than the vocabulary, an evaluation."""
 
     def matrix_bytes(module) -> int:
         weight = getattr(module, "weight", None)
         return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0
 
-    head = edge_units(model)[1]
+    own_embedding, head = edge_units(model)
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         embedding = None
-    gathers = [(model, embedding), (head, head)]  # an own unit's (edge_units), else gathered with the root
+    gathers = [(own_embedding or model, embedding), (head, head)]
     return [module for module, matrix in gathers if module is not None and matrix_bytes(matrix) >= min_bytes]
 
 

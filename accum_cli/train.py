@@ -36,6 +36,7 @@ from accum_cli import (
     sources,
     stream,
     tracking,
+    vocab_parallel,
 )
 from accum_cli import model as modeling
 from accum_cli.config import RESUME_AUTO, TrainConfig
@@ -625,12 +626,14 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         wrapped = modeling.describe_sharding(model)
         gathers = modeling.vocabulary_gathers(model, hostmem.LEAN_THRESHOLD_BYTES) if host else []
         if gathers and hostmem.give_back_before(gathers):  # host is set only where mallopt is
-            host += f"; the heap's free pages too, before {len(gathers)} vocabulary gather(s) a microbatch"
+            host += f"; the heap's free pages too, before each gather of {len(gathers)} vocabulary matrix(es)"
     if host and rt.is_main:
         print(f"  {'host memory':<18}{host}", flush=True)
     if rt.is_main:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
         print(f"  {'loss':<18}{fused_loss.describe(model)}", flush=True)
+        if (in_place := vocab_parallel.describe(model)) is not None:
+            print(f"  {'vocabulary':<18}{in_place}", flush=True)
     optimizer, scheduler = optim.build(model, cfg, s.total_steps)
     pad_id = _pad_id(s.tokenizer, s.model_config)
     if cfg.streaming:

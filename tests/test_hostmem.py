@@ -122,10 +122,10 @@ def test_a_sharded_run_gives_the_heaps_free_pages_back_before_a_vocabulary_gathe
 
 
 def test_only_vocabulary_matrices_above_the_threshold_are_worth_the_page_faults(tmp_path):
-    """The root (its forward begins with the embedding's gather) and an output projection of its
-    own, where the matrix is at least the mmap threshold: one below it is served from the heap's
-    free pages anyway, and trimming them would only cost page faults (15% of the speed workload's
-    tokens/s when every gather trimmed). A tied head is gathered with the root: the root alone."""
+    """The input embedding and the output projection, units of their own, where the matrix is at
+    least the mmap threshold: one below it is served from the heap's free pages anyway, and trimming
+    them would only cost page faults (15% of the speed workload's tokens/s when every gather
+    trimmed). A tied matrix is gathered with the root: the root alone."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -140,14 +140,15 @@ def test_only_vocabulary_matrices_above_the_threshold_are_worth_the_page_faults(
         model = modeling.shard(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), mesh, ShardSettings())
         matrix = 384 * 64 * 4  # the tiny model's vocabulary x hidden, fp32
         at, above = modeling.vocabulary_gathers(model, matrix), modeling.vocabulary_gathers(model, matrix + 1)
-        assert at == ([model] if tied else [model, model.get_output_embeddings()])
+        assert at == ([model] if tied else [model.get_input_embeddings(), model.get_output_embeddings()])
         assert above == []
 
 
 def test_a_sharded_run_with_a_large_vocabulary_gives_the_heap_back_and_trains_the_same(tmp_path):
     """A real 2-rank sharded run whose vocabulary matrices pass the threshold (32768 x 64 fp32:
-    8 MiB each, untied): both gathers get the hook, the header says so, and its first step is the
-    replicated single-process run's (the hook touches malloc, never the forward's arguments)."""
+    8 MiB each, untied): both matrices get the hook, the header says so, and its first step is the
+    replicated single-process run's. Its microbatches (at most 80 rows over both ranks) use both
+    matrices where they lie (vocab_parallel.py), so the hooks stay idle in training."""
     from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -161,7 +162,8 @@ def test_a_sharded_run_with_a_large_vocabulary_gives_the_heap_back_and_trains_th
               "--max-steps", "1", "--lr", "1e-3", "--no-compile"]  # fmt: skip
     sharded = run_cli([*common, "--layout", "shard", "--output-dir", str(tmp_path / "shard")], nproc=2)
     assert sharded.returncode == 0, sharded.stdout + sharded.stderr
-    assert "the heap's free pages too, before 2 vocabulary gather(s) a microbatch" in sharded.stdout
+    assert "the heap's free pages too, before each gather of 2 vocabulary matrix(es)" in sharded.stdout
+    assert "model.embed_tokens and lm_head used where they lie" in sharded.stdout
     whole = run_cli([*common, "--layout", "replicate", "--output-dir", str(tmp_path / "whole")])
     assert whole.returncode == 0, whole.stdout + whole.stderr
     (got,), (want,) = read_metrics(tmp_path / "shard"), read_metrics(tmp_path / "whole")

@@ -76,11 +76,19 @@ def test_collectives_per_step_are_what_the_plan_prints(request, case):
     assert printed == f"{policy.collectives_per_step(m['sync'], m['accum'], m['replicas'])} per decoder layer per step"
 
 
+@pytest.mark.parametrize("case", ["every:2", "last:3"])
+def test_the_embedding_and_output_projection_are_gathered_once_per_microbatch(four_ranks, case):
+    """Where FSDP gathers them (HSDP here): the output projection is kept gathered from its forward
+    to its backward; the embedding's backward never reads its weight (set_unshard_in_backward(False)):
+    one gather each, not two."""
+    assert four_ranks[on_four_ranks(case)]["edge_all_gathers_per_microbatch"] == 2, four_ranks[on_four_ranks(case)]
+
+
 @pytest.mark.parametrize("case", ["every:3", "last:3"])
-def test_the_embedding_and_output_projection_are_gathered_once_per_microbatch(two_ranks, case):
-    """The output projection is kept gathered from its forward to its backward; the embedding's
-    backward never reads its weight (set_unshard_in_backward(False)): one gather each, not two."""
-    assert two_ranks[case]["edge_all_gathers_per_microbatch"] == 2, two_ranks[case]
+def test_the_embedding_and_output_projection_are_never_gathered_where_used_in_place(two_ranks, case):
+    """One shard dimension and microbatches of fewer rows than the vocabulary (48 against 384): both
+    matrices are used where they lie (vocab_parallel.py), with no gather at all."""
+    assert two_ranks[case]["edge_all_gathers_per_microbatch"] == 0, two_ranks[case]
 
 
 def test_memory_held_between_microbatches_orders_as_the_plan_says(two_ranks):
