@@ -157,7 +157,7 @@ def train_step(
     step_choices = moe.step_choices(model, config, microbatches, device) if exact_aux and not one_microbatch else None
     vocab_parallel.release(model)  # what the choices' forwards (or an evaluation) left gathered
     router = RouterLoss(aux_coef, config, exact_aux, step_choices) if aux_coef else None
-    mb_losses = []  # kept on the device: no host sync per microbatch
+    mb_losses = []  # kept on the device: no host sync per microbatch (but vocab_parallel's exchanges)
     mb_aux = [torch.zeros((), device=device)]
     replicated = not isinstance(model, FSDPModule)  # FSDP2 reduces under the sync policy's flags
     use = grad_use.tracker(model)  # the sharded layout's marks of which parameters had a gradient

@@ -22,10 +22,13 @@ accumulates it into the sharded parameter's own `.grad`. The same products and s
 grouped otherwise (fp32 reassociation only, tested against it). Every rank's rows are scaled by the
 same 1 / (global loss tokens) (loop.py), so a rank may scale the gradient of the others' rows with its own.
 
-Only where a microbatch's rows, over all ranks, are fewer than the vocabulary: then what travels
-(rows x hidden) is smaller than the matrix that would be gathered, and so are the buffers. A
-microbatch with more rows goes through FSDP as before (decided on every rank alike from the rows'
-counts, which are exchanged first).
+Only where a microbatch's rows, over all ranks, are fewer than the vocabulary: then the buffers
+(rows x hidden) are smaller than the matrix and its whole gradient. What travels is not always less:
+an all-reduce of the rows moves about twice their bytes, so per matrix and microbatch ~3 x rows x
+hidden against FSDP's gather and reduce-scatter, ~2 x vocabulary x hidden (and once per step under
+`last-keep-params`); between two thirds of the vocabulary and all of it, more. A microbatch with
+more rows goes through FSDP as before (decided on every rank alike from the rows' counts, which are
+exchanged first: a host sync, with the id and label range checks, four per microbatch on CUDA).
 
 The matrices stay FSDP units: checkpoints, the optimizer, clipping and evaluation see them as
 before (an evaluation's forward gathers them). Only the step's training forward is diverted
