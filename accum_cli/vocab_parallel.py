@@ -211,7 +211,7 @@ def release(model: nn.Module) -> None:
 
 def exchange(shard: Shard, rows: int) -> Exchange | None:
     """Every rank's number of rows in this microbatch (a collective, so on every rank alike), or None
-    where they are as many as the vocabulary or more: then gathering the matrix moves less. A fake
+    where they are as many as the vocabulary or more: then the matrix is no bigger than their buffers. A fake
     tensor world (the memory estimate) has no counts to exchange: every rank holds as many."""
     ranks, rank = dist.get_world_size(shard.group), dist.get_rank(shard.group)
     counts = torch.zeros(ranks, dtype=torch.int64, device=shard.module.weight.device)
