@@ -111,18 +111,17 @@ def plain_lookup(embedding: nn.Module) -> bool:
     )
 
 
-def install(model: nn.Module, group, embedding=None, head=None, head_forward: Callable | None = None) -> bool:
+def install(model: nn.Module, group, embedding=None, head=None, head_forward: Callable | None = None) -> None:
     """After fully_shard: use the given units' matrices where they lie from now on (each where every
-    rank holds some of its rows). Returns whether any was."""
+    rank holds some of its rows); `edges(model)` says which were."""
     edges = Edges(_shard(model, embedding, group), _shard(model, head, group), head_forward)
     if edges.embedding is None and edges.head is None:
-        return False
+        return
     for shard in (edges.embedding, edges.head):
         # Its gradient no longer passes through FSDP: nothing of it to reduce, zeros included.
         if shard is not None and hasattr(shard.module, "set_reduce_scatter_unused_params"):  # torch >= 2.9
             shard.module.set_reduce_scatter_unused_params(False, recurse=False)
     object.__setattr__(model, ATTRIBUTE, edges)  # not nn.Module's: that would register the modules again
-    return True
 
 
 def _shard(model: nn.Module, module: nn.Module | None, group) -> Shard | None:
