@@ -1,3 +1,3 @@
-from accum_cli.cli import entry
+from accum_cli.cli.main import entry
 
 entry()

@@ -42,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 
+from accum_cli.data import formats
+
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 1024
 
@@ -72,7 +74,7 @@ def measure(mode: str, corpus: str, num_proc: int, cache: str) -> dict:
     datasets.disable_progress_bars()
     started = time.perf_counter()
     if mode == "accum":  # the product's path: the files read as preparation goes, no Arrow copy first
-        from accum_cli import sources
+        from accum_cli.data import sources
 
         raw = sources.load_raw(corpus)
     else:
@@ -88,12 +90,12 @@ def measure(mode: str, corpus: str, num_proc: int, cache: str) -> dict:
                       remove_columns=["text"], cache_file_name=str(Path(cache) / "map.arrow"))  # fmt: skip
         tokens = _count(out)
     else:
-        from accum_cli import prepare
+        from accum_cli.data import prepare
 
         if mode == "accum":
-            call = [raw, tokenizer, prepare.Options(SEQ_LEN, vocab_size=384), True, True, lambda: None, num_proc]
+            call = [raw, tokenizer, formats.Options(SEQ_LEN, vocab_size=384), True, True, lambda: None, num_proc]
         else:  # the old code: Options without a vocabulary, prepare(raw, tokenizer, options, is_main, barrier)
-            call = [raw, tokenizer, prepare.Options(SEQ_LEN), True, lambda: None]
+            call = [raw, tokenizer, formats.Options(SEQ_LEN), True, lambda: None]
         _, stats, _ = prepare.prepare(*call)
         tokens = stats.tokens
     seconds = time.perf_counter() - started
@@ -143,7 +145,8 @@ def _rss_self() -> float:
 
 def reading_cost(cache: str, global_batch: int, steps: int = 20) -> dict:
     """Seconds to read one global batch of seq_len samples in the seeded order, as training does."""
-    from accum_cli import data, store
+    from accum_cli.data import batches as data
+    from accum_cli.data import store
 
     (folder,) = [p for p in Path(cache).iterdir() if (p / "meta.json").is_file()]
     meta = store.read_meta(folder)

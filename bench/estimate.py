@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from accum_cli.memory.query import Query
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SEQ_LEN = 128
@@ -78,11 +80,11 @@ def measured(model_dir: Path) -> dict:
 
 
 def compare(name: str, model_dir: Path) -> None:
-    from accum_cli import estimate
+    from accum_cli.memory import estimate
 
     config = json.loads((model_dir / "config.json").read_text())
     queries = [
-        estimate.Query(config, 2, 1, m, SEQ_LEN, "last" if sync == "replicated" else sync, False, False,
+        Query(config, 2, 1, m, SEQ_LEN, "last" if sync == "replicated" else sync, False, False,
                        replicated=sync == "replicated")
         for sync, m in CASES
     ]  # fmt: skip
@@ -129,7 +131,7 @@ def main() -> None:
         folder = Path(tmp)
         os.environ["ACCUM_TRAIN_CACHE"] = str(folder / "cache")
         if not args.timing:
-            from accum_cli.model import EMBEDDED_MODEL_DIR
+            from accum_cli.model.load import EMBEDDED_MODEL_DIR
 
             compare("embedded model (3.4M params)", EMBEDDED_MODEL_DIR)
             compare("Llama ~30M params", llama_30m(folder / "llama-30m"))

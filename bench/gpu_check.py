@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from accum_cli.memory.query import Query
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -70,7 +72,7 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig
 
-    from accum_cli import estimate
+    from accum_cli.memory import estimate
 
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to measure")
@@ -86,9 +88,7 @@ def main() -> None:
         config = json.loads((model_dir / "config.json").read_text())
         cases = [(sync, m) for sync in args.sync for m in args.micro_batch]
         started = time.perf_counter()
-        found = estimate.estimate(
-            [estimate.Query(config, 1, 1, m, args.seq_len, sync, True, False) for sync, m in cases]
-        )
+        found = estimate.estimate([Query(config, 1, 1, m, args.seq_len, sync, True, False) for sync, m in cases])
         print(f"estimated {len(cases)} cases in {time.perf_counter() - started:.1f} s", flush=True)
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29533",

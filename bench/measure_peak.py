@@ -6,7 +6,7 @@ Run under torchrun on real ranks (gloo on CPU); rank 0 prints one JSON line per 
 
 The model is built once from its config with real weights (seeded) and sharded with the run's
 own `model.shard` on the real process group (`replicated`: built whole, as the replicated layout
-runs it, its gradients summed by the run's own bucketed all-reduce); each case runs the same `estimate.tracked_step` as
+runs it, its gradients summed by the run's own bucketed all-reduce); each case runs the same `measure.tracked_step` as
 the estimate (an untracked step creates AdamW's state once, then a tracked step of the run's
 `microbatch_backward`, clipping and AdamW) with real tensors: FSDPMemTracker in real mode counts
 the bytes of every live tensor. The figure is the largest over the ranks. On CUDA,
@@ -22,6 +22,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from accum_cli.model import wrap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,10 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False):
     """The model with real weights (seeded), sharded by the run's own `model.shard`, and AdamW:
     built once for all cases, as the estimate builds its fake model once for all queries."""
-    from accum_cli import model as modeling
-    from accum_cli import optim
-    from accum_cli.config import TrainConfig
-    from accum_cli.sharding import ShardSettings
+    from accum_cli.config.settings import TrainConfig
+    from accum_cli.model import load as modeling
+    from accum_cli.parallel.sharding import ShardSettings
+    from accum_cli.step import optim
 
     source = modeling.resolve_source(model_dir)
     config = modeling.load_config(source, trust_remote_code=False)
@@ -57,7 +59,7 @@ def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False
     else:
         model = modeling.load_model(source, config, False, seed=0)
     if not replicated:
-        modeling.shard(model, rt.mesh(1), settings)
+        wrap.shard(model, rt.mesh(1), settings)
     elif args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=2)
@@ -65,7 +67,7 @@ def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False
 
 
 def measure(args: argparse.Namespace, built, sync: str, micro_batch: int, rt) -> dict:
-    from accum_cli.estimate import fake_microbatches, tracked_step
+    from accum_cli.memory.measure import fake_microbatches, tracked_step
 
     model, optimizer, config = built
     started = time.perf_counter()
@@ -97,7 +99,7 @@ def measure(args: argparse.Namespace, built, sync: str, micro_batch: int, rt) ->
 
 
 def main() -> None:
-    from accum_cli import runtime
+    from accum_cli.parallel import runtime
 
     args = parse_args()
     rt = runtime.start()

@@ -104,8 +104,9 @@ def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
     """The real CLI in this process; the floor is taken when it starts building the model."""
     import torch.distributed as dist
 
-    from accum_cli import cli, train
-    from accum_cli import model as modeling
+    from accum_cli.cli import main as cli
+    from accum_cli.model import wrap
+    from accum_cli.run import train
 
     floor, peak = {}, {}
     step = train.train_step
@@ -117,13 +118,13 @@ def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
 
     train.train_step = measured_step
     for build in ("build_sharded", "build_replicated"):
-        original = getattr(modeling, build)
+        original = getattr(wrap, build)
 
         def measured(*args, _original=original, **kwargs):
             floor.setdefault("rss", rss_mib("VmRSS"))
             return _original(*args, **kwargs)
 
-        setattr(modeling, build, measured)
+        setattr(wrap, build, measured)
     out = Path(data).parent / name.replace(" ", "-")  # the same folder on every rank
     sys.argv = ["accum-train", "--model", model_dir, "--dataset", data, "--seq-len", str(SEQ), "--global-batch", str(G),
                 "--micro-batch", str(M), "--max-steps", str(STEPS), "--lr", "1e-4", "--weight-decay", "0",

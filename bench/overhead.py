@@ -3,7 +3,7 @@
 Both contestants train the same model (same seed), on the same tokens, split into the
 same microbatches, on the same 2-rank gloo mesh, in the same processes, for each sync
 policy. accum-train runs its real code path (model.shard, optim.build, Plan,
-MicrobatchReader -> collate, loop.train_step), timed as accum_cli/train.py times a step:
+MicrobatchReader -> collate, loop.train_step), timed as accum_cli/run/train.py times a step:
 reading the microbatches included. The hand-written loop is the least a user must write to
 get the same, correct training: fully_shard per decoder layer and root, sum reductions,
 a global loss-token count, sum-CE / count per microbatch, the sync flags, clip, AdamW.
@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+
+from accum_cli.model import wrap
 
 # transformers, datasets and accum_cli are imported where used: the launcher needs none of them.
 
@@ -116,7 +118,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The embedded Llama's config at the chosen size; identical initial weights on every rank."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from accum_cli.model import EMBEDDED_MODEL_DIR
+    from accum_cli.model.load import EMBEDDED_MODEL_DIR
 
     heads = args.hidden // 64
     config = LlamaConfig.from_pretrained(
@@ -142,7 +144,7 @@ def token_data(args: argparse.Namespace) -> torch.Tensor:
 
 
 def train_config(args: argparse.Namespace):
-    from accum_cli.config import TrainConfig
+    from accum_cli.config.settings import TrainConfig
 
     # A constant LR keeps both contestants on the same numbers step after step; the other
     # values are the product's defaults, which the hand-written loop copies.
@@ -160,17 +162,19 @@ def train_config(args: argparse.Namespace):
 
 
 class AccumTrain:
-    """accum-train's own code path, step for step as accum_cli/train.py runs it."""
+    """accum-train's own code path, step for step as accum_cli/run/train.py runs it."""
 
     name = "accum-train"
 
     def __init__(self, args: argparse.Namespace, mesh, rank: int, sync: str, ids: torch.Tensor):
         import numpy as np
 
-        from accum_cli import data, optim, sharding, store
-        from accum_cli import model as modeling
-        from accum_cli.loop import train_step
-        from accum_cli.plan import Plan
+        from accum_cli.config.plan import Plan
+        from accum_cli.data import batches as data
+        from accum_cli.data import store
+        from accum_cli.parallel import sharding
+        from accum_cli.step import optim
+        from accum_cli.step.loop import train_step
 
         class InOrder(data.SampleOrder):
             """The product's order, unshuffled, so both contestants read identical microbatches."""
@@ -182,7 +186,7 @@ class AccumTrain:
         self.plan = Plan(args.global_batch, args.micro_batch, args.nproc)
         self.rank, self.sync, self.device = rank, sync, torch.device("cpu")
         # The settings the product derives from this config on CPU (fp32, reshard after forward).
-        self.model = modeling.shard(build_model(args), mesh, sharding.resolve(self.cfg, "cpu"))
+        self.model = wrap.shard(build_model(args), mesh, sharding.resolve(self.cfg, "cpu"))
         self.optimizer, self.scheduler = optim.build(self.model, self.cfg, total_steps=10**6)
         # Prepared data laid out as packed text is (one flat token array, seq_len blocks),
         # read the way the product reads its data every step.
@@ -386,7 +390,7 @@ def report(args: argparse.Namespace, results: list[PolicyResult], elapsed: float
 
 
 def run_rank(args: argparse.Namespace) -> None:
-    from accum_cli import runtime
+    from accum_cli.parallel import runtime
 
     started = time.perf_counter()
     rt = runtime.start()
@@ -412,7 +416,7 @@ def run_rank(args: argparse.Namespace) -> None:
         others_share = others / (wall * (os.cpu_count() or 1))
     if rt.is_main:
         report(args, results, time.perf_counter() - started, others_share)
-    # gloo ranks can abort or hang in interpreter finalisation (DESIGN.md): barrier,
+    # gloo ranks can abort or hang in interpreter finalisation (docs/ARCHITECTURE.md): barrier,
     # destroy the group, flush, os._exit.
     runtime.exit_process(0)
 
@@ -421,7 +425,7 @@ def main() -> None:
     args = parse_args()
     if "RANK" not in os.environ:
         sys.exit(launch(args))
-    from accum_cli import runtime
+    from accum_cli.parallel import runtime
 
     try:
         run_rank(args)  # ends the process itself

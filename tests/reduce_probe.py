@@ -1,4 +1,4 @@
-"""The replicated layout's overlapped gradient sum (accum_cli/reduce.py) in a real gloo run,
+"""The replicated layout's overlapped gradient sum (accum_cli/parallel/reduce.py) in a real gloo run,
 started by torchrun; each rank writes OUT_JSON.RANK.
 
 Usage: torchrun --nproc_per_node=2 tests/reduce_probe.py OUT_JSON
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accum_cli import reduce
+from accum_cli.parallel import reduce
 
 WIDTH, DEPTH = 32, 6
 

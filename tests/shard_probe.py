@@ -1,4 +1,4 @@
-"""The sharded layout (accum_cli/model.py `shard`) when ranks use different parameters, in a real
+"""The sharded layout (accum_cli/model/load.py `shard`) when ranks use different parameters, in a real
 gloo run started by torchrun; each rank writes OUT_JSON.RANK.
 
 Usage: torchrun --nproc_per_node=2 tests/shard_probe.py OUT_JSON POLICY|replicate [bf16]
@@ -32,11 +32,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from transformers.modeling_outputs import CausalLMOutput
 
-from accum_cli import loop, runtime
-from accum_cli import model as modeling
-from accum_cli.data import Microbatch, empty_microbatch
-from accum_cli.loss import token_loss_sum
-from accum_cli.sharding import ShardSettings
+from accum_cli.data.batches import Microbatch, empty_microbatch
+from accum_cli.loss.tokens import token_loss_sum
+from accum_cli.model import wrap
+from accum_cli.parallel import runtime
+from accum_cli.parallel.sharding import ShardSettings
+from accum_cli.step import loop
 
 VOCAB, WIDTH, SEQ = 32, 16, 8
 USE_RARE = 1  # a microbatch whose first token is this one goes through the rare layer
@@ -118,7 +119,7 @@ def main() -> None:
     ref_optimizer = adamw(reference)
     if sync != "replicate":
         settings = ShardSettings(bf16=precision == ["bf16"])
-        modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), settings)
+        wrap.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), settings)
     optimizer = adamw(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for step in range(2):
@@ -138,7 +139,7 @@ def main() -> None:
             reference_moved[name] = float((q - p0).abs().max())
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump({"errors": errors, "moved": moved, "reference_moved": reference_moved}, f)
-    runtime.exit_process(0)  # FSDP modules alive at interpreter exit can abort a gloo rank (DESIGN.md)
+    runtime.exit_process(0)  # FSDP modules alive at interpreter exit can abort a gloo rank (docs/ARCHITECTURE.md)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accum_cli import loop, runtime
-from accum_cli import model as modeling
-from accum_cli.data import Microbatch
-from accum_cli.sharding import ShardSettings
+from accum_cli.data.batches import Microbatch
+from accum_cli.model import load as modeling
+from accum_cli.model import wrap
+from accum_cli.parallel import runtime
+from accum_cli.parallel.sharding import ShardSettings
+from accum_cli.step import loop
 
 OPS = {"_allgather_base_": "all_gathers", "_reduce_scatter_base_": "reduce_scatters", "allreduce_": "all_reduces"}
 
@@ -90,7 +92,7 @@ def run_case(model_dir: str, mesh, replicas: int, sync: str, accum: int, checkpo
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     layers = modeling.decoder_layers(model)  # before sharding renames their classes
-    modeling.shard(model, mesh, ShardSettings(activation_checkpointing=checkpointing))
+    wrap.shard(model, mesh, ShardSettings(activation_checkpointing=checkpointing))
     forwards = Counter()
     for layer in layers:
         # A layer's parts run inside its (checkpointed) forward, so a recompute calls them again;

@@ -21,8 +21,8 @@ import transformers
 from helpers import read_metrics, rel_err, run_cli, write_ragged_tokens
 from typer.testing import CliRunner
 
-from accum_cli.cli import app
-from accum_cli.data import SampleOrder
+from accum_cli.cli.main import app
+from accum_cli.data.batches import SampleOrder
 
 G, SEED, TOL = 12, 3, 1e-5
 VOCAB = 384  # write_ragged_tokens draws ids below 384
@@ -333,7 +333,7 @@ def test_an_encoder_familys_causal_head_does_not_see_the_tokens_it_predicts(tmp_
     at position 9 reaches no position before it."""
     from transformers import BertConfig
 
-    from accum_cli import model as modeling
+    from accum_cli.model import load as modeling
 
     BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                max_position_embeddings=64).save_pretrained(tmp_path)  # fmt: skip

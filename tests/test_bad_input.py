@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, env, save_tiny_model, write_pickled_payload, write_ragged_tokens
 from typer.testing import CliRunner
 
-from accum_cli.cli import app
+from accum_cli.cli.main import app
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +330,7 @@ EXPORT_CASES = [
 
 @pytest.mark.parametrize("name, message", EXPORT_CASES, ids=[name for name, _ in EXPORT_CASES])
 def test_export_of_a_broken_checkpoint_is_one_line(files, tmp_path, name, message):
-    from accum_cli.cli import export_app
+    from accum_cli.cli.main import export_app
 
     target = tmp_path / "hf"
     folder = files[name] if name in files else files["root"] / name
@@ -397,7 +397,7 @@ def test_an_unreadable_checkpoint_or_run_is_one_line(files, tmp_path, case):
     out = tmp_path / "hf" if case == "export" else run
     argv = [a.format(target=target, out=out) for a in argv]
     if case == "export":
-        cmd = [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", *argv]
+        cmd = [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", *argv]
     else:
         cmd = [sys.executable, "-m", "accum_cli", "--model", str(files["tiny"]), "--dataset",
                str(files["root"] / "tokens.jsonl"), "--global-batch", "4", "--micro-batch", "2", "--max-steps", "2",

@@ -28,8 +28,8 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from accum_cli.data import SampleOrder
-from accum_cli.plan import Plan
+from accum_cli.config.plan import Plan
+from accum_cli.data.batches import SampleOrder
 
 pytestmark = pytest.mark.distributed
 G, SEED = 10, 3
@@ -122,7 +122,7 @@ def test_a_rewind_sets_later_checkpoints_aside_and_wrong_folders_are_refused(roo
     assert refused.returncode == 2 and "is a model (a final/ or an export), not a checkpoint" in refused.stderr
 
     shutil.rmtree(out / "final")
-    ok(subprocess.run([sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()",
+    ok(subprocess.run([sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()",
                        str(out / "checkpoints" / "step-000003"), str(out / "final")],
                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=120))  # fmt: skip
     refused = run_cli(args(root, out, 4, 6, "--resume", str(out / "checkpoints" / "step-000003")))
@@ -210,7 +210,7 @@ def test_export_round_trip(uninterrupted, tmp_path):
     out = uninterrupted[2]
     target = tmp_path / "hf"
     result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()",
+        [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()",
          str(out / "checkpoints/step-000006"), str(target)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip

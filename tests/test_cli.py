@@ -8,7 +8,7 @@ import sys
 from helpers import BIN, env, save_tiny_model
 from typer.testing import CliRunner
 
-from accum_cli.cli import app
+from accum_cli.cli.main import app
 
 runner = CliRunner()
 

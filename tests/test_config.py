@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from accum_cli import options
-from accum_cli.config import TrainConfig, as_recipe, build_config, load_recipe
+from accum_cli.cli import options
+from accum_cli.config.settings import TrainConfig, as_recipe, build_config, load_recipe
 from accum_cli.errors import UserError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -53,7 +53,7 @@ def test_a_key_twice_in_a_json_recipe_is_refused_and_a_merge_may_override(tmp_pa
     with pytest.raises(UserError, match=r"key 'lr' appears twice; keep one"):
         load_recipe(tmp_path / "config.json")
     (tmp_path / "merged.yaml").write_text("base: &b\n  lr: 1\nrun:\n  <<: *b\n  lr: 2\n")
-    from accum_cli.recipe import read_mapping
+    from accum_cli.config.recipe import read_mapping
 
     assert read_mapping(tmp_path / "merged.yaml")["run"] == {"lr": 2}  # what merging is for
 
@@ -105,8 +105,8 @@ COMMAND_FLAGS = {"--help", "--recipe", "--print-config", "--prepare-only", "--pl
 def test_every_config_field_is_a_flag_and_a_recipe_key_and_nothing_else_is():
     import typer
 
-    from accum_cli.cli import app
-    from accum_cli.config import FIELDS, PANELS, default_text, flag
+    from accum_cli.cli.main import app
+    from accum_cli.config.settings import FIELDS, PANELS, default_text, flag
 
     params = [p for p in typer.main.get_command(app).params if p.param_type_name == "option"]
     by_name = {p.name: p for p in params}
@@ -136,8 +136,8 @@ def load_recipe_text(text: str) -> dict:
 def test_help_is_grouped_in_panels_with_defaults_from_the_config():
     from typer.testing import CliRunner
 
-    from accum_cli.cli import app
-    from accum_cli.config import PANELS
+    from accum_cli.cli.main import app
+    from accum_cli.config.settings import PANELS
 
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0, result.output
@@ -166,7 +166,7 @@ def test_recipe_numbers_follow_yaml_1_2(tmp_path):
 def test_print_config_is_a_recipe_of_the_resolved_configuration(tmp_path):
     from typer.testing import CliRunner
 
-    from accum_cli.cli import app
+    from accum_cli.cli.main import app
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("lr: 3e-4\nglobal_batch: 128\nmicro_batch: 2\n")

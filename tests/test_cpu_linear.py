@@ -1,4 +1,4 @@
-"""fp32 linear layers on CPU through oneDNN (accum_cli/cpu_linear.py): what F.linear computes, taken
+"""fp32 linear layers on CPU through oneDNN (accum_cli/cpu/linear.py): what F.linear computes, taken
 only where it pays and where it can run, and a model's training unchanged."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from helpers import rel_err
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from accum_cli import cpu_linear
+from accum_cli.cpu import linear as cpu_linear
 from accum_cli.errors import UserError
 
 

@@ -26,10 +26,12 @@ from helpers import (
 )
 from typer.testing import CliRunner
 
-from accum_cli import prepare
-from accum_cli.cli import app
-from accum_cli.data import SampleOrder
-from accum_cli.plan import Plan
+from accum_cli.cli.main import app
+from accum_cli.config.plan import Plan
+from accum_cli.data import cache as prep_cache
+from accum_cli.data import formats, prepare
+from accum_cli.data.batches import SampleOrder
+from accum_cli.data.store import IGNORE_INDEX
 
 WORDS = [
     "the",
@@ -184,12 +186,12 @@ def test_loss_counts_only_assistant_tokens(model):
     tokenizer = AutoTokenizer.from_pretrained(model)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "and?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
-    options = prepare.Options(seq_len=512)
-    row = prepare.make_rows({"messages": [messages]}, tokenizer, options, "chat", packed=False)
+    options = formats.Options(seq_len=512)
+    row = formats.make_rows({"messages": [messages]}, tokenizer, options, "chat", packed=False)
     ids, labels = row["input_ids"][0], row["labels"][0]
-    counted = tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != prepare.IGNORE_INDEX])
+    counted = tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
     assert counted == "yo\nok\n"
-    everything = prepare.make_rows({"messages": [messages]}, tokenizer, prepare.Options(512, train_on_prompt=True),
+    everything = formats.make_rows({"messages": [messages]}, tokenizer, formats.Options(512, train_on_prompt=True),
                                    "chat", packed=False)  # fmt: skip
     assert everything["labels"][0] == ids
 
@@ -198,7 +200,7 @@ def test_prompt_completion_counts_the_completion(model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    row = prepare.make_rows({"prompt": ["Q: 2+2? A:"], "completion": [" 4"]}, tokenizer, prepare.Options(64),
+    row = formats.make_rows({"prompt": ["Q: 2+2? A:"], "completion": [" 4"]}, tokenizer, formats.Options(64),
                             "prompt-completion", packed=False)  # fmt: skip
     counted = [t for t, lab in zip(row["input_ids"][0], row["labels"][0], strict=True) if lab != -100]
     assert tokenizer.decode(counted) == " 4</s>"
@@ -213,8 +215,8 @@ def chat_reference(model_dir: Path, rows: list[dict], steps: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    built = prepare.make_rows(
-        {"messages": [r["messages"] for r in rows]}, tokenizer, prepare.Options(CHAT_SEQ), "chat", False
+    built = formats.make_rows(
+        {"messages": [r["messages"] for r in rows]}, tokenizer, formats.Options(CHAT_SEQ), "chat", False
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     params = list(model.parameters())
@@ -276,8 +278,8 @@ def test_a_per_microbatch_mean_fails_on_chat_data(model):
 
     rows = chat_rows()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    built = prepare.make_rows(
-        {"messages": [r["messages"] for r in rows]}, tokenizer, prepare.Options(CHAT_SEQ), "chat", False
+    built = formats.make_rows(
+        {"messages": [r["messages"] for r in rows]}, tokenizer, formats.Options(CHAT_SEQ), "chat", False
     )
     idx = SampleOrder(len(rows), SEED).rows(range(G))
 
@@ -344,7 +346,7 @@ def test_the_order_depends_only_on_seed_and_global_batch(g, m):
 # --- compact storage, streaming preparation, one tokeniser per node ---------------------------
 
 
-def prepare_here(raw, tokenizer, options: prepare.Options, num_proc: int = 1):
+def prepare_here(raw, tokenizer, options: formats.Options, num_proc: int = 1):
     """One process's preparation, the collective's barriers reduced to nothing."""
     return prepare.prepare(raw, tokenizer, options, True, True, lambda: None, num_proc)
 
@@ -363,7 +365,7 @@ def test_packed_text_is_stored_in_two_bytes_per_token_and_reads_back(model, tmp_
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = [sentence(i, 5 + i % 23) for i in range(300)]
     data, stats, tokenised = prepare_here(datasets.Dataset.from_dict({"text": texts}), tokenizer,
-                                          prepare.Options(48, vocab_size=384))  # fmt: skip
+                                          formats.Options(48, vocab_size=384))  # fmt: skip
     stream = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [1]]
     blocks = [stream[i * 48 : (i + 1) * 48] for i in range(len(stream) // 48)]
     assert tokenised and len(data) == stats.samples == len(blocks)
@@ -371,7 +373,7 @@ def test_packed_text_is_stored_in_two_bytes_per_token_and_reads_back(model, tmp_
         ids, labels = data.sample(i)
         assert ids.tolist() == blocks[i] and labels.tolist() == blocks[i]
     assert stats.loss_tokens == len(blocks) * 47
-    (folder,) = cache_entries(Path(prepare.cache_root()))
+    (folder,) = cache_entries(Path(prep_cache.cache_root()))
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"], "no labels, no leftovers"
     assert (folder / "tokens.bin").stat().st_size == 2 * stats.tokens
     assert stats.stored_bytes / stats.tokens <= 2.2
@@ -385,13 +387,13 @@ def test_a_changed_byte_in_the_cache_stops_the_run_before_it_reaches_the_model(m
     import datasets
     from transformers import AutoTokenizer
 
-    from accum_cli import store
+    from accum_cli.data import store
 
     rows = np.random.default_rng(0).integers(3, 384, (640, 1024)).tolist()  # 1.25 MiB of uint16: 2 blocks
-    options = prepare.Options(1024, vocab_size=384)
+    options = formats.Options(1024, vocab_size=384)
     tokenizer = AutoTokenizer.from_pretrained(model)
     data, _, _ = prepare_here(datasets.Dataset.from_dict({"input_ids": rows}), tokenizer, options)
-    (folder,) = cache_entries(Path(prepare.cache_root()))
+    (folder,) = cache_entries(Path(prep_cache.cache_root()))
     last = len(rows) - 1
     assert data.sample(last)[0].tolist() == rows[last]
     position = 2 * 1024 * last + 10  # a token of the last row, in the file's second block
@@ -426,7 +428,7 @@ def test_a_large_vocabulary_takes_four_bytes_and_ids_round_trip(model, tmp_path)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 128_256, int(n)).tolist() for n in rng.integers(3, 60, 200)]
     raw = datasets.Dataset.from_dict({"input_ids": rows})
-    data, stats, _ = prepare_here(raw, None, prepare.Options(64, packing=True, vocab_size=128_256))
+    data, stats, _ = prepare_here(raw, None, formats.Options(64, packing=True, vocab_size=128_256))
     stream = [t for row in rows for t in row]
     assert [data.sample(i)[0].tolist() for i in range(len(data))] == [
         stream[i * 64 : (i + 1) * 64] for i in range(len(stream) // 64)
@@ -452,14 +454,14 @@ def test_rows_with_masked_labels_round_trip_to_the_same_labels(model, tmp_path, 
         ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 40)]
         # some labels of their own (neither the id nor -100), as a user's pre-tokenised data may have
         columns = {"input_ids": ids, "labels": [[-100] + [(t + 1) % 384 for t in row[1:]] for row in ids]}
-    options = prepare.Options(CHAT_SEQ, vocab_size=384)
+    options = formats.Options(CHAT_SEQ, vocab_size=384)
     data, stats, _ = prepare_here(datasets.Dataset.from_dict(columns), tokenizer, options)
-    expected = prepare.make_rows(columns, tokenizer, options, fmt, packed=False)
+    expected = formats.make_rows(columns, tokenizer, options, fmt, packed=False)
     assert len(data) == len(expected["input_ids"])
     for i in range(len(data)):
         ids, labels = data.sample(i)
         assert ids.tolist() == expected["input_ids"][i] and labels.tolist() == expected["labels"][i], i
-    (folder,) = cache_entries(Path(prepare.cache_root()))
+    (folder,) = cache_entries(Path(prep_cache.cache_root()))
     names = sorted(p.name for p in folder.iterdir())
     assert names == (["labels.bin"] if fmt == "tokens" else []) + ["mask.bin", "meta.json", "offsets.bin",
                                                                       "tokens.bin"]  # fmt: skip
@@ -479,7 +481,7 @@ def test_worker_processes_give_the_same_files_as_one_process(model, tmp_path, mo
     built = {}
     for procs in (1, 2):
         monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / f"cache{procs}"))
-        data, stats, _ = prepare_here(raw, tokenizer, prepare.Options(32, vocab_size=384), num_proc=procs)
+        data, stats, _ = prepare_here(raw, tokenizer, formats.Options(32, vocab_size=384), num_proc=procs)
         (folder,) = cache_entries(tmp_path / f"cache{procs}")
         built[procs] = ({p.name: p.read_bytes() for p in folder.glob("*.bin")}, stats)
     assert built[1] == built[2]
@@ -519,7 +521,7 @@ def _prepare_in_a_process(model_dir: str, cache: str, start, results) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     start.wait()
     try:
-        data, _, tokenised = prepare.prepare(raw, tokenizer, prepare.Options(64, vocab_size=384), True, True,
+        data, _, tokenised = prepare.prepare(raw, tokenizer, formats.Options(64, vocab_size=384), True, True,
                                              lambda: None, 1)  # fmt: skip
         results.put((hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised))
     except Exception as exc:  # reported to the test, which fails on it
@@ -531,8 +533,8 @@ def test_publishing_onto_a_published_copy_keeps_the_first(tmp_path):
     for folder, tag in ((first, "first"), (second, "second")):
         folder.mkdir()
         (folder / "meta.json").write_text(json.dumps({"tag": tag}))
-    assert prepare.publish(first, final) is True
-    assert prepare.publish(second, final) is False
+    assert prep_cache.publish(first, final) is True
+    assert prep_cache.publish(second, final) is False
     assert json.loads((final / "meta.json").read_text())["tag"] == "first"
 
 
@@ -622,7 +624,7 @@ def test_packed_rows_with_labels_keep_their_mask(model):
     ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 60)]
     labels = [[-100 if g.random() < 0.4 else t for t in row] for row in ids]
     raw = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
-    data, stats, _ = prepare_here(raw, None, prepare.Options(16, packing=True, vocab_size=384))
+    data, stats, _ = prepare_here(raw, None, formats.Options(16, packing=True, vocab_size=384))
     stream = [t for row in labels for t in row]
     blocks = [stream[i * 16 : (i + 1) * 16] for i in range(len(stream) // 16)]
     assert [data.sample(i)[1].tolist() for i in range(len(data))] == blocks
@@ -638,7 +640,7 @@ def test_chat_rows_that_are_not_turns_are_named(model):
         with pytest.raises(
             prepare.UserError, match=r"row 8 of the dataset \(counting from 0\): messages is not a list"
         ):
-            prepare.make_rows({"messages": [good, bad]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+            formats.make_rows({"messages": [good, bad]}, tokenizer, formats.Options(64), "chat", False, first_row=7)
 
 
 def test_chat_turns_with_differing_keys_are_prepared_as_turns(model, tmp_path):
@@ -659,7 +661,7 @@ def test_chat_turns_with_differing_keys_are_prepared_as_turns(model, tmp_path):
     prepared = {}
     for name in ("plain", "named"):
         raw = datasets.load_dataset("json", data_files=str(tmp_path / f"{name}.jsonl"), split="train")
-        data, _, _ = prepare_here(raw, tokenizer, prepare.Options(64))
+        data, _, _ = prepare_here(raw, tokenizer, formats.Options(64))
         prepared[name] = [[t.tolist() for t in data.sample(i)[:2]] for i in range(len(data))]
     assert "Json" in repr(raw.features["messages"])  # the case at hand: this datasets types them as JSON
     assert prepared["named"] == prepared["plain"] and len(prepared["plain"]) == 6
@@ -673,7 +675,7 @@ def test_a_conversation_the_template_cannot_render_is_named(model):
     tokenizer = AutoTokenizer.from_pretrained(model)
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     with pytest.raises(prepare.UserError, match=r"row 8 of the dataset \(counting from 0\): messages is empty"):
-        prepare.make_rows({"messages": [good, []]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+        formats.make_rows({"messages": [good, []]}, tokenizer, formats.Options(64), "chat", False, first_row=7)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
@@ -683,7 +685,7 @@ def test_a_conversation_the_template_cannot_render_is_named(model):
         prepare.UserError,
         match=r"row 8 .*: the chat template cannot render it \(Conversation roles must alternate user/assistant\)",
     ):
-        prepare.make_rows({"messages": [good, good[::-1]]}, tokenizer, prepare.Options(64), "chat", False, first_row=7)
+        formats.make_rows({"messages": [good, good[::-1]]}, tokenizer, formats.Options(64), "chat", False, first_row=7)
 
 
 def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(model, tmp_path):
@@ -713,7 +715,7 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(model, tmp_p
 def test_hidden_files_in_a_dataset_folder_are_not_data(tmp_path):
     """As `datasets` reads a folder: Jupyter's autosaved copies, a .git, __pycache__ are not rows
     (a notebook's checkpoint copy would train every row twice)."""
-    from accum_cli import sources
+    from accum_cli.data import sources
 
     (tmp_path / "data" / ".ipynb_checkpoints").mkdir(parents=True)
     (tmp_path / "data" / "__pycache__").mkdir()
@@ -732,7 +734,7 @@ def test_a_folder_split_by_file_names_trains_on_its_train_split_alone(tmp_path):
     """As `datasets` reads a folder: train.jsonl and test.jsonl are two splits, and --split picks
     one (a test split trained on would leak the evaluation into training). A file in no split, a
     split not there, and an evaluation folder with splits to pick from are one line each."""
-    from accum_cli import sources
+    from accum_cli.data import sources
 
     def folder(name: str, *files: str) -> str:
         for file in files:
@@ -767,7 +769,7 @@ def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp
 
     import datasets
 
-    cache = Path(prepare.cache_root())
+    cache = Path(prep_cache.cache_root())
     cache.mkdir(parents=True)
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -779,7 +781,7 @@ def test_a_killed_preparation_leaves_nothing_behind_at_the_next_start(model, tmp
         folder.mkdir()
         (folder / "tokens.bin").write_bytes(b"\0" * 64)
     raw = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4})
-    prepare_here(raw, None, prepare.Options(8, vocab_size=384))
+    prepare_here(raw, None, formats.Options(8, vocab_size=384))
     assert not abandoned.exists() and in_progress.exists() and other_host.exists()
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 1
 
@@ -792,7 +794,7 @@ def test_local_files_are_read_as_they_are_prepared_with_no_copy_of_the_corpus(mo
     import datasets
     from transformers import AutoTokenizer
 
-    from accum_cli import sources
+    from accum_cli.data import sources
 
     # datasets reads its cache folder from its config at each load (the variable only at import)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
@@ -800,7 +802,7 @@ def test_local_files_are_read_as_they_are_prepared_with_no_copy_of_the_corpus(mo
     monkeypatch.setattr(prepare, "PARALLEL_ABOVE_BYTES", 0)  # through the worker processes too
     path, _ = write_sources(tmp_path)[kind]
     tokenizer = AutoTokenizer.from_pretrained(model)
-    options = prepare.Options(32, vocab_size=384)
+    options = formats.Options(32, vocab_size=384)
     texts = [sentence(i, 30 + i) for i in range(12)]
     if kind == "folder":  # part0, part1, part2 in order
         texts = [t for i in range(3) for t in texts[i::3]]
@@ -811,8 +813,8 @@ def test_local_files_are_read_as_they_are_prepared_with_no_copy_of_the_corpus(mo
     assert stats.documents == 12 and len(from_files) == len(from_memory) > 5
     assert np.array_equal(np.asarray(from_files.tokens), np.asarray(from_memory.tokens))
     assert not list((tmp_path / "hf").rglob("*.arrow")), "no Arrow copy of the corpus"
-    key = prepare.cache_key(rows, tokenizer, options, "text")
+    key = prep_cache.cache_key(rows, tokenizer, options, "text")
     edited = sorted(Path(path).rglob("*.jsonl"))[0] if kind == "folder" else Path(path)
     modified = edited.stat().st_mtime_ns + 10**9  # rewritten: datasets' own fingerprint goes by time too
     os.utime(edited, ns=(modified, modified))
-    assert prepare.cache_key(sources.load_raw(path), tokenizer, options, "text") != key
+    assert prep_cache.cache_key(sources.load_raw(path), tokenizer, options, "text") != key

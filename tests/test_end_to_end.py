@@ -8,7 +8,7 @@ import shutil
 import pytest
 from helpers import read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 
-from accum_cli.sources import embedded_documents
+from accum_cli.data.sources import embedded_documents
 
 pytestmark = pytest.mark.distributed
 SECRET = "hf_secret_token_that_must_never_be_written"
@@ -61,7 +61,7 @@ def test_torchrun_two_ranks_trains_writes_metrics_and_a_loadable_model(tiny, tmp
 
 
 def test_a_successful_two_rank_run_exits_0_every_time(tiny, tmp_path):
-    """DESIGN.md: without a deliberate shutdown about 1 short 2-rank gloo run in 8 aborts or
+    """docs/ARCHITECTURE.md: without a deliberate shutdown about 1 short 2-rank gloo run in 8 aborts or
     hangs at interpreter exit. Four in a row must all exit 0 here; the suite's other multi-rank
     runs (a few dozen) each assert exit 0 too, so a shutdown that fails 1 time in 8 fails the
     suite all but surely, and these four say why."""

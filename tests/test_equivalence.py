@@ -1,4 +1,4 @@
-"""The heart: accumulated, sharded training equals one big batch (DESIGN.md invariant 1).
+"""The heart: accumulated, sharded training equals one big batch (docs/ARCHITECTURE.md, invariant 1).
 
 A tiny Llama saved to a folder and a pre-tokenised dataset with very different loss-token
 counts per row go through the real CLI (`python -m accum_cli`, `torchrun -m accum_cli`).
@@ -23,7 +23,8 @@ from helpers import (
     write_ragged_tokens,
 )
 
-from accum_cli.data import SampleOrder
+from accum_cli.data.batches import SampleOrder
+from accum_cli.memory.query import Query
 
 G, STEPS, SEED, LR, CLIP, WD = 13, 3, 5, 2e-3, 1.0, 0.1
 TOL = 1e-5
@@ -222,12 +223,12 @@ def test_auto_micro_batch_under_a_small_budget_trains_the_same(workdir, referenc
     """--micro-batch auto with --sync auto on 2 ranks: a budget that holds m = 3 but not m = 4 under
     `every` picks m = 3 (not ceil(13/2) = 7), every rank runs it (else the collectives would not
     match), and the training still equals the one-big-batch reference."""
-    from accum_cli import estimate, fit
+    from accum_cli.memory import estimate, fit
 
     model = workdir / "model"
     seq_len = max(len(row["input_ids"]) for row in load_rows(workdir / "data.jsonl"))  # pre-tokenised: the longest
     config = json.loads((model / "config.json").read_text())
-    found = estimate.estimate([estimate.Query(config, 2, 1, m, seq_len, "every", False, False) for m in (3, 4)])
+    found = estimate.estimate([Query(config, 2, 1, m, seq_len, "every", False, False) for m in (3, 4)])
     gib = (found[0].peak + found[1].peak) / 2 / fit.BUDGET_SHARE / 2**30
     out = tmp_path / "run"
     args = ["--model", str(model), "--dataset", str(workdir / "data.jsonl"), "--micro-batch", "auto",

@@ -11,9 +11,10 @@ import pytest
 from helpers import BIN, REPO, env, free_port
 from typer.testing import CliRunner
 
-from accum_cli import estimate, fit
-from accum_cli.cli import app
-from accum_cli.model import EMBEDDED_MODEL_DIR
+from accum_cli.cli.main import app
+from accum_cli.memory import estimate, fit, measure
+from accum_cli.memory.query import Estimate, Query
+from accum_cli.model.load import EMBEDDED_MODEL_DIR
 
 SEQ_LEN = 128
 SYNCS = ("every", "last", "last-keep-params", "replicated")  # replicated: the layout, not a policy
@@ -27,10 +28,10 @@ TOLERANCE = 0.15
 DISTINCT = 0.08
 
 
-def query(model_dir: Path, sync: str, micro_batch: int, world_size: int = 2) -> estimate.Query:
+def query(model_dir: Path, sync: str, micro_batch: int, world_size: int = 2) -> Query:
     config = json.loads((model_dir / "config.json").read_text())
     replicated = sync == "replicated"
-    return estimate.Query(
+    return Query(
         config, world_size, 1, micro_batch, SEQ_LEN, "last" if replicated else sync, bf16=False,
         activation_checkpointing=False, replicated=replicated,
     )  # fmt: skip
@@ -93,7 +94,7 @@ def test_fake_store_import_still_works():
     must fail here, by name, not as an obscure error in --plan."""
     import torch.distributed as dist
 
-    dist.init_process_group("fake", rank=0, world_size=64, store=estimate.fake_store())
+    dist.init_process_group("fake", rank=0, world_size=64, store=measure.fake_store())
     assert dist.get_world_size() == 64  # a world of 64 in one process: what the estimate plans on
     dist.destroy_process_group()
 
@@ -122,7 +123,7 @@ def test_keeping_parameters_gathered_holds_them_between_microbatches(held):
     only to the 15% above). At m = 4 the activations' peak dominates both."""
     import math
 
-    from accum_cli import model as modeling
+    from accum_cli.model import load as modeling
 
     got, real, folder = held["llama-30m"]
     keep, last = ("last-keep-params", 1), ("last", 1)
@@ -167,12 +168,12 @@ def test_deferred_bf16_gradients_are_counted_as_gradients(tmp_path, monkeypatch)
     them as gradients, not temporaries, whatever W."""
     import math
 
-    from accum_cli import model as modeling
+    from accum_cli.model import load as modeling
 
     config = deep_narrow()
     whole = 4 * sum(math.prod(shape) for shape in modeling.parameter_shapes(config, False).values())
     monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
-    found = estimate.estimate([estimate.Query(json.loads(config.to_json_string()), 8, 1, 1, 32, "last", True, False)])
+    found = estimate.estimate([Query(json.loads(config.to_json_string()), 8, 1, 1, 32, "last", True, False)])
     assert found[0].breakdown["gradients"] >= whole, (found[0].breakdown, whole)
 
 
@@ -182,7 +183,7 @@ def test_a_peak_does_not_depend_on_what_was_estimated_before(tmp_path, monkeypat
     gradient clip on a fresh model added the whole model in fp32. A deep, narrow model at W=8,
     where that is larger than the real peak, must get the same figure first or second."""
     model_config = json.loads(deep_narrow().to_json_string())
-    one, two = (estimate.Query(model_config, 8, 1, m, 32, "every", False, False) for m in (1, 2))
+    one, two = (Query(model_config, 8, 1, m, 32, "every", False, False) for m in (1, 2))
     monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
     first, _, again = estimate.estimate([one, two, one])  # none cached yet: measured in this order, in one child
     assert (first.peak, first.breakdown) == (again.peak, again.breakdown)
@@ -280,9 +281,7 @@ def test_an_untied_embedding_and_head_are_not_gathered_together(cache, tmp_path)
 
     config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
-    found = estimate.estimate(
-        [estimate.Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)]
-    )
+    found = estimate.estimate([Query(json.loads(config.to_json_string()), 2, 1, 2, SEQ_LEN, "every", False, False)])
     one_matrix = 32000 * 512 * 4
     assert found[0].breakdown["unsharded_params"] < 1.25 * one_matrix, found[0].breakdown
 
@@ -317,7 +316,7 @@ def test_auto_finds_the_largest_micro_batch_that_fits_in_a_few_estimates(seed):
 
     def run(queries):
         asked.extend(q.micro_batch for q in queries)
-        return [estimate.Estimate(peak(q.micro_batch), {}, 0.0) for q in queries]
+        return [Estimate(peak(q.micro_batch), {}, 0.0) for q in queries]
 
     m, _, _ = fit._auto_micro_batch(target, "every", cap, budget, run)
     assert m == max(x for x in allowed if peak(x) <= budget.bytes)

@@ -10,11 +10,13 @@ import transformers
 from test_loss import peak_bytes
 from torch import nn
 
-from accum_cli import cpu_linear, fused_loss
-from accum_cli.data import Microbatch
-from accum_cli.loop import microbatch_backward
-from accum_cli.loss import token_loss_sum
-from accum_cli.store import IGNORE_INDEX
+from accum_cli.cpu import linear as cpu_linear
+from accum_cli.data.batches import Microbatch
+from accum_cli.data.store import IGNORE_INDEX
+from accum_cli.loss import fused_loss
+from accum_cli.loss.tokens import token_loss_sum
+from accum_cli.model import wrap
+from accum_cli.step.loop import microbatch_backward
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -180,17 +182,17 @@ def test_the_probe_runs_before_the_layers_are_compiled(tmp_path):
     from helpers import save_tiny_model
     from torch._dynamo.utils import counters
 
-    from accum_cli import model as modeling
-    from accum_cli.config import TrainConfig
-    from accum_cli.runtime import Runtime
-    from accum_cli.sharding import ShardSettings
+    from accum_cli.config.settings import TrainConfig
+    from accum_cli.model import load as modeling
+    from accum_cli.parallel.runtime import Runtime
+    from accum_cli.parallel.sharding import ShardSettings
 
     source = modeling.resolve_source(str(save_tiny_model(tmp_path / "model")))
     config = modeling.load_config(source, False)
     torch._dynamo.reset()
     counters.clear()
     rt = Runtime(0, 0, 1, 1, torch.device("cpu"))
-    model = modeling.build_replicated(source, config, TrainConfig(), ShardSettings(compile=True), rt)
+    model = wrap.build_replicated(source, config, TrainConfig(), ShardSettings(compile=True), rt)
     assert fused_loss.describe(model).startswith("fused")
     assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
     microbatch_backward(model, microbatch(300, rows=2, seq=8), "last", True, 14, torch.device("cpu"))

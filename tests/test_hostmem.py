@@ -11,9 +11,11 @@ import sys
 import torch
 from helpers import REPO, env, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
 
+from accum_cli.model import wrap
+
 SCRIPT = """
 import sys, torch
-from accum_cli import hostmem
+from accum_cli.cpu import hostmem
 def rss_mib():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 print(hostmem.follow_live_tensors() if sys.argv[1] == "lean" else None)
@@ -55,7 +57,7 @@ def test_the_users_own_malloc_setting_stands():
 
 FAULTS = """
 import resource, sys, torch
-from accum_cli import hostmem
+from accum_cli.cpu import hostmem
 print(hostmem.keep_the_heap() if sys.argv[1] == "heap" else None)
 torch.set_num_threads(1)  # one thread allocating: the same sequence of mallocs and frees every run
 torch.manual_seed(0)
@@ -94,7 +96,7 @@ def test_the_users_own_trim_setting_stands():
 
 GIVE_BACK = """
 import sys, torch
-from accum_cli import hostmem
+from accum_cli.cpu import hostmem
 def rss_mib():
     return next(int(l.split()[1]) // 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 print(hostmem.follow_live_tensors())
@@ -130,16 +132,15 @@ def test_only_vocabulary_matrices_above_the_threshold_are_worth_the_page_faults(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from accum_cli import model as modeling
-    from accum_cli.sharding import ShardSettings
+    from accum_cli.parallel.sharding import ShardSettings
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # conftest ends it
     mesh = init_device_mesh("cpu", (1,))
     for tied in (False, True):
         folder = save_tiny_model(tmp_path / f"tied-{tied}", tied=tied)
-        model = modeling.shard(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), mesh, ShardSettings())
+        model = wrap.shard(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), mesh, ShardSettings())
         matrix = 384 * 64 * 4  # the tiny model's vocabulary x hidden, fp32
-        at, above = modeling.vocabulary_gathers(model, matrix), modeling.vocabulary_gathers(model, matrix + 1)
+        at, above = wrap.vocabulary_gathers(model, matrix), wrap.vocabulary_gathers(model, matrix + 1)
         assert at == ([model] if tied else [model.get_input_embeddings(), model.get_output_embeddings()])
         assert above == []
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from helpers import REPO, env, free_port, save_tiny_model
 
-from accum_cli import isolate
+from accum_cli.data import isolate
 from accum_cli.errors import UserError
 
 pytestmark = pytest.mark.skipif(not isolate.available(), reason="fork as on Linux")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not isolate.available(), reason="fork as on Linu
 def test_the_cache_is_where_datasets_keeps_its_own_found_without_importing_it(extra):
     """cache_root computes the datasets cache itself (importing datasets is what the trainer
     avoids): the same folder as datasets.config finds, or the cache of earlier runs would be lost."""
-    probe = ("import os, sys; from accum_cli import prepare; print(prepare.cache_root(), 'datasets' in sys.modules);"
+    probe = ("import os, sys; from accum_cli.data import cache; print(cache.cache_root(), 'datasets' in sys.modules);"
              "import datasets.config; print(datasets.config.HF_DATASETS_CACHE / 'accum-train')")  # fmt: skip
     environment = {k: v for k, v in env(**extra).items() if k != "ACCUM_TRAIN_CACHE"}
     for name in {"HF_HOME", "XDG_CACHE_HOME", "HF_DATASETS_CACHE"} - set(extra):
@@ -121,7 +121,7 @@ def _group_alive(pgid: int) -> bool:
 DEAD_GROUP_THEN_CHILD = """
 import gc, os, sys
 import torch.distributed as dist
-from accum_cli import isolate
+from accum_cli.data import isolate
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 gc.disable()  # so the dead group below waits for a collector, as one left by earlier work can
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -144,7 +144,7 @@ def test_a_child_collecting_garbage_never_runs_a_dead_process_groups_destructor(
 TRAIN_AND_LIST = """
 import sys
 import time
-from accum_cli import cli
+from accum_cli.cli import main as cli
 exit_process = cli.exit_process
 def exit_and_list(code):
     print("HEAVY", [m for m in ("datasets", "pandas", "pyarrow") if m in sys.modules], flush=True)

@@ -1,4 +1,4 @@
-"""The closed-form RMSNorm (accum_cli/kernels.py): what the model's own norm computes, swapped in only
+"""The closed-form RMSNorm (accum_cli/cpu/kernels.py): what the model's own norm computes, swapped in only
 where a probe shows it, and the whole model's training unchanged."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNormGated
 
-from accum_cli import kernels
+from accum_cli.cpu import kernels
 
 
 def norm_and_grads(forward, x, weight, g):

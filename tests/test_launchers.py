@@ -1,4 +1,4 @@
-"""Every way to start accum-train gives the same training (DESIGN.md invariant 1).
+"""Every way to start accum-train gives the same training (docs/ARCHITECTURE.md, invariant 1).
 
 Real launchers in subprocesses on CPU: `accelerate launch` with an Accelerate config,
 the `--nproc` wrapper (Accelerate's launcher underneath), and two "nodes" on one machine
@@ -176,7 +176,7 @@ def test_the_wrapper_ignores_the_users_default_accelerate_config(setup, tmp_path
 def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it():
     """Rank 1 killed (-9), rank 0 then stopped by the agent's SIGTERM (-15): rank 1 is the cause
     (CI once named rank 0). Only SIGTERMs: the lowest rank; exit codes alone: the lowest rank's."""
-    from accum_cli.launcher import outcome
+    from accum_cli.cli.launcher import outcome
 
     assert outcome({0: -15, 1: -9}) == (137, "worker rank 1 was killed by SIGKILL (out of memory? killed by hand?)")
     assert outcome({1: -15, 0: -15}) == (143, "worker rank 0 was killed by SIGTERM (out of memory? killed by hand?)")
@@ -185,7 +185,7 @@ def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it()
 
 SLOW_SAVE = """
 import time
-from accum_cli import checkpoint
+from accum_cli.rundir import checkpoint
 
 saved = checkpoint.save
 
@@ -228,9 +228,9 @@ STOPPED_WHILE_LOADING = """
 import os
 import signal
 import time
-from accum_cli import model
+from accum_cli.model import wrap
 
-load = model.load_model
+load = wrap.load_model
 
 
 def load_and_be_preempted(*args, **kwargs):  # the SIGTERM lands while the weights load
@@ -243,7 +243,7 @@ def load_and_be_preempted(*args, **kwargs):  # the SIGTERM lands while the weigh
     return load(*args, **kwargs)
 
 
-model.load_model = load_and_be_preempted
+wrap.load_model = load_and_be_preempted
 """
 
 
@@ -271,7 +271,7 @@ def test_an_accelerate_config_under_home_written_with_an_equals_sign_is_found(tm
     """`--accelerate-config=~/cpu.yaml`: the shell leaves a tilde after `=` as it is."""
     import shutil
 
-    from accum_cli.launcher import Launch
+    from accum_cli.cli.launcher import Launch
 
     monkeypatch.setenv("HOME", str(tmp_path))
     shutil.copy(REPO / "recipes" / "accelerate" / "cpu-2proc.yaml", tmp_path / "cpu.yaml")

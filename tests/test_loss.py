@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from helpers import free_port, save_tiny_model
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from accum_cli import loss
-from accum_cli.loss import token_loss_sum
-from accum_cli.store import IGNORE_INDEX
+from accum_cli.data.store import IGNORE_INDEX
+from accum_cli.loss import tokens as loss
+from accum_cli.loss.tokens import token_loss_sum
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -91,10 +91,12 @@ def test_forward_and_backward_hold_the_logits_and_one_gradient():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_fake_tensors_two_chunks_give_the_peak_of_all_of_them(monkeypatch, dtype):
-    """The memory estimate runs the loss on fake tensors, where every chunk costs the same time: it
-    runs the first and the last chunk only, so its time does not grow with the micro batch. The peak
-    it measures is that of every chunk run (chunks of 5 rows here: 21 of them, the last shorter)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """The memory estimate runs the loss on fake tensors (runtime.simulated), where every chunk costs
+    the same time: it runs the first and the last chunk only, so its time does not grow with the micro
+    batch. The peak it measures is that of every chunk run (chunks of 5 rows here: 21 of them, the last
+    shorter)."""
+    from accum_cli import torch_compat
+    from accum_cli.parallel import runtime
 
     monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 5 * 4096)
     calls = []
@@ -103,7 +105,7 @@ def test_on_fake_tensors_two_chunks_give_the_peak_of_all_of_them(monkeypatch, dt
 
     def peak_and_chunks() -> tuple[int, int]:
         calls.clear()
-        with FakeTensorMode():
+        with torch_compat.FakeTensorMode():
             logits, labels = torch.randn(2, 51, 4096, dtype=dtype), torch.randint(0, 4096, (2, 51))
             peak = peak_bytes(step_of(logits, labels), logits, labels)
         return peak, len(calls)
@@ -115,9 +117,9 @@ def test_on_fake_tensors_two_chunks_give_the_peak_of_all_of_them(monkeypatch, dt
 
         return run
 
-    fast = peak_and_chunks()
-    monkeypatch.setattr(loss, "FakeTensor", type("NeverFake", (), {}))  # every chunk, as on real tensors
-    every = peak_and_chunks()
+    with runtime.simulated():
+        fast = peak_and_chunks()
+    every = peak_and_chunks()  # every chunk, as in a run
     assert fast == (every[0], 2) and every[1] == 21, (fast, every)
 
 
@@ -129,8 +131,8 @@ def test_a_microbatch_frees_its_logits_before_the_output_projections_backward(tm
 
     from transformers import AutoModelForCausalLM
 
-    from accum_cli.data import Microbatch
-    from accum_cli.loop import microbatch_backward
+    from accum_cli.data.batches import Microbatch
+    from accum_cli.step.loop import microbatch_backward
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model"), dtype=torch.float32)
     model.train()
@@ -147,7 +149,7 @@ def test_a_microbatch_frees_its_logits_before_the_output_projections_backward(tm
 
 
 def _reduce_scatter_ranks(rank: int, world: int, port: int, results) -> None:
-    from accum_cli.model import InPlaceReduceScatter
+    from accum_cli.cpu.gloo import InPlaceReduceScatter
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

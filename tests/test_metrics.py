@@ -4,7 +4,7 @@
 def test_flops_per_token_and_mfu_peaks():
     import torch
 
-    from accum_cli.metrics import flops_per_token, peak_flops
+    from accum_cli.rundir.metrics import flops_per_token, peak_flops
 
     # 1B params, 16 layers x 2048, seq 2048: 6e9 + 12*16*2048*2048
     assert flops_per_token(10**9, 16, 2048, 2048) == 6e9 + 805_306_368
@@ -20,7 +20,7 @@ def test_dropping_redone_records_never_leaves_metrics_half_written(tmp_path, mon
 
     import pytest
 
-    from accum_cli import metrics
+    from accum_cli.rundir import metrics
 
     path = tmp_path / "metrics.jsonl"
     records = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))
@@ -46,8 +46,8 @@ def test_on_a_terminal_logged_steps_and_evaluations_stay_above_the_progress_bar(
     import torch
     from rich.console import Console
 
-    from accum_cli.loop import StepResult
-    from accum_cli.metrics import Reporter
+    from accum_cli.rundir.metrics import Reporter
+    from accum_cli.step.loop import StepResult
 
     screen = io.StringIO()
     reporter = Reporter(tmp_path, 10, torch.device("cpu"), True, log_every=5)

@@ -1,11 +1,11 @@
-"""Property tests of the pure batch arithmetic (DESIGN.md invariants 1 and 2)."""
+"""Property tests of the pure batch arithmetic (docs/ARCHITECTURE.md, invariants 1 and 2)."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from accum_cli.config.plan import Plan
 from accum_cli.errors import UserError
-from accum_cli.plan import Plan
 
 layouts = st.tuples(st.integers(1, 4096), st.integers(1, 64), st.integers(1, 256)).filter(lambda t: t[0] >= t[2])
 
@@ -110,5 +110,5 @@ def test_plan_module_is_pure():
     import subprocess
     import sys
 
-    code = "import sys, accum_cli.plan, accum_cli.policy; sys.exit('torch' in sys.modules)"
+    code = "import sys, accum_cli.config.plan, accum_cli.config.policy; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

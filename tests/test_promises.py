@@ -13,11 +13,12 @@ import torch
 from helpers import run_cli, save_tiny_model, write_ragged_tokens
 from typer.testing import CliRunner
 
-from accum_cli import optim, prepare
-from accum_cli.cli import app
-from accum_cli.config import TrainConfig
-from accum_cli.data import SampleOrder, collate
-from accum_cli.plan import Plan
+from accum_cli.cli.main import app
+from accum_cli.config.plan import Plan
+from accum_cli.config.settings import TrainConfig
+from accum_cli.data import formats, prepare
+from accum_cli.data.batches import SampleOrder, collate
+from accum_cli.step import optim
 
 
 def test_strict_batch_refuses_a_real_run(tmp_path):
@@ -84,7 +85,7 @@ def test_the_prepared_data_cache_is_keyed_by_the_options(tmp_path, monkeypatch):
     tokenizer = ByT5Tokenizer()
     lengths = {}
     for seq_len in (16, 32):
-        dataset, stats, _ = prepare.prepare(raw, tokenizer, prepare.Options(seq_len), True, True, lambda: None)
+        dataset, stats, _ = prepare.prepare(raw, tokenizer, formats.Options(seq_len), True, True, lambda: None)
         lengths[seq_len] = {len(ids) for ids, _ in dataset.rows(range(len(dataset)))}
     assert lengths == {16: {16}, 32: {32}}
 
@@ -104,7 +105,7 @@ def test_a_dataset_with_no_rows_is_refused_before_any_work():
     from accum_cli.errors import UserError
 
     with pytest.raises(UserError, match="^the dataset is empty; pass a dataset with at least one row$"):
-        prepare.check(datasets.Dataset.from_dict({"text": []}), ByT5Tokenizer(), prepare.Options(16))
+        formats.check(datasets.Dataset.from_dict({"text": []}), ByT5Tokenizer(), formats.Options(16))
 
 
 def save_dropout_model(path):
@@ -122,13 +123,13 @@ def test_eval_loss_is_computed_without_dropout(tmp_path, monkeypatch):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-    from accum_cli.data import MicrobatchReader
-    from accum_cli.evaluate import eval_loss
-    from accum_cli.loss import token_loss_sum
+    from accum_cli.data.batches import MicrobatchReader
+    from accum_cli.loss.tokens import token_loss_sum
+    from accum_cli.step.evaluate import eval_loss
 
     monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
     raw = datasets.Dataset.from_dict({"text": [f"row {i} of some words of text " * 3 for i in range(6)]})
-    dataset, _, _ = prepare.prepare(raw, ByT5Tokenizer(), prepare.Options(32), True, True, lambda: None)
+    dataset, _, _ = prepare.prepare(raw, ByT5Tokenizer(), formats.Options(32), True, True, lambda: None)
     model = AutoModelForCausalLM.from_pretrained(save_dropout_model(tmp_path / "model"), dtype=torch.float32)
     model.train()
     reader = MicrobatchReader(dataset, None, pad_id=0)

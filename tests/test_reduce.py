@@ -1,4 +1,4 @@
-"""The gradient sum over ranks: the replicated layout's (accum_cli/reduce.py) exact, launched during
+"""The gradient sum over ranks: the replicated layout's (accum_cli/parallel/reduce.py) exact, launched during
 the last backward, in the same order on every rank, with bounded extra memory."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from helpers import BIN, REPO, env, free_port
 from torch import nn
 
-from accum_cli import reduce
+from accum_cli.parallel import reduce
 
 MIB = 2**20
 

@@ -163,7 +163,7 @@ def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_p
     for dtype in ("fp32", "auto"):
         exports[dtype] = tmp_path / f"export-{dtype}"
         exported = subprocess.run(
-            [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(checkpoint),
+            [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(checkpoint),
              str(exports[dtype]), "--export-dtype", dtype],
             cwd=REPO, env=env(), capture_output=True, text=True, timeout=120, preexec_fn=umask(0o022),
         )  # fmt: skip
@@ -191,13 +191,13 @@ def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_p
 def test_the_export_dtype_is_the_one_the_model_declares():
     from transformers import LlamaConfig
 
-    from accum_cli.model import export_dtype
+    from accum_cli.rundir.export import resolve_export_dtype
 
     bare = LlamaConfig()
-    assert export_dtype("auto", bare) == torch.float32, "a config that declares none: fp32"
-    assert export_dtype("auto", LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    assert resolve_export_dtype("auto", bare) == torch.float32, "a config that declares none: fp32"
+    assert resolve_export_dtype("auto", LlamaConfig(dtype="bfloat16")) == torch.bfloat16
     older = LlamaConfig()
     vars(older)["torch_dtype"] = "float16"  # transformers < 4.56 wrote this key
-    assert export_dtype("auto", older) == torch.float16
-    assert export_dtype("auto", LlamaConfig(dtype="float64")) == torch.float32, "one we do not export: fp32"
-    assert export_dtype("fp32", LlamaConfig(dtype="bfloat16")) == torch.float32
+    assert resolve_export_dtype("auto", older) == torch.float16
+    assert resolve_export_dtype("auto", LlamaConfig(dtype="float64")) == torch.float32, "one we do not export: fp32"
+    assert resolve_export_dtype("fp32", LlamaConfig(dtype="bfloat16")) == torch.float32

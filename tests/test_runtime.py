@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from helpers import free_port
 
-from accum_cli.runtime import peer_lost
+from accum_cli.parallel.runtime import peer_lost
 
 
 def _rank(rank: int, port: int, peer: str, errors) -> None:
@@ -32,7 +32,7 @@ def _rank(rank: int, port: int, peer: str, errors) -> None:
         errors.put((str(exc), peer_lost(exc)))
     errors.close()
     errors.join_thread()  # the item is written before os._exit, which skips the queue's flush
-    os._exit(0)  # no interpreter finalisation with a broken group (DESIGN.md)
+    os._exit(0)  # no interpreter finalisation with a broken group (docs/ARCHITECTURE.md)
 
 
 @pytest.mark.parametrize("peer", ["died", "hung"])

@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from typer.testing import CliRunner
 
-from accum_cli.cli import app
+from accum_cli.cli.main import app
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run_behind(root, 
 
 
 def test_the_wandb_run_id_is_new_for_a_fresh_run_and_kept_by_a_resume(tmp_path):
-    from accum_cli.tracking import IDS, run_ids
+    from accum_cli.rundir.tracking import IDS, run_ids
 
     first = run_ids(tmp_path, fresh=True)["wandb"]
     assert run_ids(tmp_path, fresh=False)["wandb"] == first
@@ -245,7 +245,7 @@ def test_the_wandb_run_id_is_new_for_a_fresh_run_and_kept_by_a_resume(tmp_path):
 
 
 def test_how_far_the_trackers_were_sent_outlives_a_rewind_but_not_an_overwrite(tmp_path):
-    from accum_cli import metrics, tracking
+    from accum_cli.rundir import metrics, tracking
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
     assert tracking.sent_until(tmp_path) == 7
@@ -305,20 +305,20 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
 
     compared = tmp_path / "compare.png"
     result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.report import entry; entry()", str(runs[0]),
+        [sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
          "--compare", str(runs[1]), "--out", str(compared)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert Image.open(compared).size == picture.size
     missing = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.report import entry; entry()", str(tmp_path / "nothing")],
+        [sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(tmp_path / "nothing")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2 and "has no metrics.jsonl" in missing.stderr
 
     # --out: the format its suffix names, written whole or not at all, in the current folder too.
-    svg = subprocess.run([sys.executable, "-c", "from accum_cli.report import entry; entry()", str(runs[0]), "--out",
+    svg = subprocess.run([sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]), "--out",
                           "picture.svg"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert svg.returncode == 0, svg.stderr
     assert b"<svg" in (tmp_path / "picture.svg").read_bytes()[:1000]
@@ -327,7 +327,7 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
                          ("notes.txt", "--out notes.txt: name a .png, .svg, .pdf file"),
                          ("picture.svg/r.png", "cannot write picture.svg/r.png (")):  # under a file  # fmt: skip
         before = sorted(p.name for p in tmp_path.rglob("*"))
-        bad = subprocess.run([sys.executable, "-c", "from accum_cli.report import entry; entry()", str(runs[0]),
+        bad = subprocess.run([sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
                               "--out", out], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
         assert bad.returncode == 2 and bad.stderr.startswith(f"accum-report: error: {message}"), bad.stderr
         assert len(bad.stderr.splitlines()) == 1 and sorted(p.name for p in tmp_path.rglob("*")) == before
@@ -336,8 +336,8 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
 def test_a_metrics_file_with_bytes_that_are_not_utf8_is_read_to_its_last_good_line(tmp_path):
     """A torn last line (a kill mid-write, a full disk) can hold any bytes: accum-report reads the
     records before it, and names a bad line elsewhere in one line, never a traceback."""
-    from accum_cli import report
     from accum_cli.errors import UserError
+    from accum_cli.rundir import report
 
     good = json.dumps({"step": 1, "loss": 2.5}).encode() + b"\n"
     (tmp_path / "metrics.jsonl").write_bytes(good + b'{"step": 2, "lo\xff\xfe')

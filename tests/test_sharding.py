@@ -3,9 +3,11 @@
 import pytest
 from helpers import REPO
 
-from accum_cli import launcher, sharding
-from accum_cli.config import TrainConfig
+from accum_cli.cli import launcher
+from accum_cli.config.settings import TrainConfig
 from accum_cli.errors import UserError
+from accum_cli.model import compiling
+from accum_cli.parallel import sharding
 
 ACCELERATE_FSDP = {
     "ACCELERATE_MIXED_PRECISION": "no",
@@ -148,13 +150,13 @@ def test_compile_layers_compiles_every_decoder_layer_and_keeps_the_state_dict_na
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from accum_cli import model as modeling
+    from accum_cli.model import load as modeling
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "model"), dtype=torch.float32)
     names = list(model.state_dict())
     torch._dynamo.reset()
     counters.clear()
-    modeling.compile_layers(model)
+    compiling.compile_layers(model)
     model(input_ids=torch.randint(3, 300, (2, 8)), use_cache=False).logits.sum().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     layers = modeling.decoder_layers(model)

@@ -13,8 +13,8 @@ import pytest
 from helpers import CHAT_TEMPLATE, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
 from typer.testing import CliRunner
 
-from accum_cli import prepare, sources, stream
-from accum_cli.cli import app
+from accum_cli.cli.main import app
+from accum_cli.data import formats, prepare, sources, stream
 
 # G = 7 over W = 2 is uneven (ranks take 4 and 3): the plan's split must hold for a stream too.
 COMMON = ["--streaming", "--seq-len", "32", "--global-batch", "7", "--shuffle-buffer", "16", "--lr", "1e-3"]
@@ -64,7 +64,7 @@ def test_the_stream_holds_the_prepared_samples_in_stream_order(files, monkeypatc
 
     monkeypatch.setattr(stream, "ROWS_PER_BATCH", 7)  # small chunks: blocks and rows straddle them
     tokenizer = AutoTokenizer.from_pretrained(files["model"])
-    options = prepare.Options(seq_len=48, packing=packing, vocab_size=384)
+    options = formats.Options(seq_len=48, packing=packing, vocab_size=384)
     prepared, _, _ = prepare.prepare(sources.load_raw(str(files[name])), tokenizer, options, True, True, lambda: None,
                                      num_proc=1)  # fmt: skip
     raw = sources.load_raw(str(files[name]), streaming=True)

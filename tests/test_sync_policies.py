@@ -16,8 +16,9 @@ import pytest
 from helpers import BIN, REPO, env, free_port, save_tiny_model
 from typer.testing import CliRunner
 
-from accum_cli import policy
-from accum_cli.cli import app
+from accum_cli.cli.main import app
+from accum_cli.config import policy
+from accum_cli.model import wrap
 
 pytestmark = pytest.mark.distributed
 
@@ -117,10 +118,10 @@ def test_activation_checkpointing_recomputes_each_layer_in_the_replicated_layout
     the sharded measurement above does not cover it. One process: nothing here is distributed."""
     import torch
 
-    from accum_cli import model as modeling
-    from accum_cli.config import TrainConfig
-    from accum_cli.runtime import Runtime
-    from accum_cli.sharding import ShardSettings
+    from accum_cli.config.settings import TrainConfig
+    from accum_cli.model import load as modeling
+    from accum_cli.parallel.runtime import Runtime
+    from accum_cli.parallel.sharding import ShardSettings
 
     source = modeling.resolve_source(str(model))
     config = modeling.load_config(source, False)
@@ -129,9 +130,7 @@ def test_activation_checkpointing_recomputes_each_layer_in_the_replicated_layout
     forwards = {}
     for checkpointing in (False, True):
         settings = ShardSettings(activation_checkpointing=checkpointing)
-        built = modeling.build_replicated(
-            source, config, TrainConfig(), settings, Runtime(0, 0, 1, 1, torch.device("cpu"))
-        )
+        built = wrap.build_replicated(source, config, TrainConfig(), settings, Runtime(0, 0, 1, 1, torch.device("cpu")))
         calls = []
         for layer in modeling.decoder_layers(built):  # its first part runs inside the checkpointed forward
             next(layer.children()).register_forward_hook(lambda *_, calls=calls: calls.append(1))

@@ -38,7 +38,9 @@ from helpers import (
 )
 from typer.testing import CliRunner
 
-from accum_cli.cli import app
+from accum_cli.cli.main import app
+from accum_cli.rundir import checkpoint_meta
+from accum_cli.rundir import export as exporting
 
 SENTINEL_NAME = "payload-ran"
 
@@ -175,8 +177,8 @@ def test_a_checkpoint_save_never_deletes_a_folder_of_the_users_where_it_stages(r
 
 def test_the_lock_is_never_opened_through_a_link(tmp_path):
     """Should a link appear after the run's checks: the holder's record is never written into its target."""
-    from accum_cli import outdir
     from accum_cli.errors import UserError
+    from accum_cli.rundir import outdir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -246,11 +248,9 @@ def test_a_resumed_run_never_replaces_a_final_folder_of_someone_elses(root, tmp_
 
     from transformers import AutoModelForCausalLM
 
-    from accum_cli import model as modeling
-
     model = AutoModelForCausalLM.from_pretrained(root / "model")
     with pytest.raises(FileExistsError, match="it holds files accum-train did not write"):
-        modeling.save_final(model, None, out / "final", True, torch.float32)
+        exporting.save_final(model, None, out / "final", True, torch.float32)
     assert [p.name for p in (out / "final").iterdir()] == ["precious.bin"]
     assert (out / "final" / "precious.bin").read_bytes() == b"mine"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".final")) == [], "no staging folder left"
@@ -273,7 +273,7 @@ def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
     (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(sentinel)))
     rewrite_record(ckpt, ".metadata")
     result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(ckpt),
+        [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt),
          str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
@@ -284,7 +284,7 @@ def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
 
 
 def export(ckpt: Path, target: Path):
-    from accum_cli.cli import export_app
+    from accum_cli.cli.main import export_app
 
     return CliRunner().invoke(export_app, [str(ckpt), str(target)])
 
@@ -307,9 +307,9 @@ def test_a_sigterm_during_an_export_leaves_nothing_half_written(trained, tmp_pat
     """The SIGTERM arrives while the weights are being written (a job's time limit): the folder
     being written goes, one line says so, and the exit code is the signal's."""
     code = (
-        "import os, signal; from accum_cli import model; written = model.stamp_dtype\n"
+        "import os, signal; from accum_cli.rundir import export; written = export.stamp_dtype\n"
         "def stopped(*a):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return written(*a)\n"
-        "model.stamp_dtype = stopped\nfrom accum_cli.cli import export_entry; export_entry()"
+        "export.stamp_dtype = stopped\nfrom accum_cli.cli.main import export_entry; export_entry()"
     )
     ckpt = trained / "checkpoints" / "step-000002"
     result = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "hf")], cwd=REPO, env=env(),
@@ -368,7 +368,7 @@ def test_dcp_metadata_cannot_patch_a_class_it_is_allowed_to_name(root, trained, 
     result = run_cli(args(root, tmp_path / "out", 4, "--resume", str(ckpt)))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "its .metadata sets attributes of the class PosixPath, which DCP never does" in one_error_line(result.stderr)
-    from accum_cli import safe_dcp  # and in this process: nothing patched, the class unchanged
+    from accum_cli.rundir import safe_dcp
 
     with pytest.raises(safe_dcp.UnsafeCheckpoint, match="sets attributes of the class PosixPath"):
         safe_dcp.read_metadata(ckpt, json.loads((ckpt / "meta.json").read_text())["files"])
@@ -408,7 +408,7 @@ def test_a_payload_in_a_shard_item_never_runs(root, trained, tmp_path):
 
 def shard_offsets(ckpt: Path) -> dict[str, tuple[str, int, int]]:
     """fqn -> (file, offset, length) of each tensor in the checkpoint, from its verified metadata."""
-    from accum_cli import safe_dcp
+    from accum_cli.rundir import safe_dcp
 
     meta = json.loads((ckpt / "meta.json").read_text())
     metadata = safe_dcp.read_metadata(ckpt, meta["files"])
@@ -605,7 +605,7 @@ def test_a_lost_rank_is_one_line_naming_it(root, tmp_path):
     errors = [line for line in stderr.splitlines() if line.startswith("accum-train: error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr
     assert "worker rank 1 was killed by SIGKILL" in errors[0]
-    from accum_cli.checkpoint import latest
+    from accum_cli.rundir.checkpoint_meta import latest
 
     assert f"the last checkpoint {latest(out)} is intact: rerun with --resume" in errors[0]
 
@@ -644,14 +644,14 @@ def test_a_full_disk_costs_nothing_saved(root, small_disk):
     assert "step-000002 could not be written: the disk is full (about" in line
     assert "MB needed" in line and "the previous checkpoint step-000001 is intact" in line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"], "no temporary folder left"
-    from accum_cli.checkpoint import read_meta
+    from accum_cli.rundir.checkpoint_meta import read_meta
 
     read_meta(out / "checkpoints" / "step-000001")  # complete and verified
 
 
 def test_a_write_failure_without_an_errno_is_a_full_disk_only_when_the_room_is_short(tmp_path):
     """DCP sometimes reports a full disk as torch.save's RuntimeError("unexpected pos"), no errno."""
-    from accum_cli.checkpoint import full_disk
+    from accum_cli.rundir.checkpoint import full_disk
 
     room = shutil.disk_usage(tmp_path).free
     assert full_disk(None, room * 2, tmp_path).startswith("the disk is full (about")
@@ -669,10 +669,10 @@ def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny
     assert f"the final model could not be written to {out / 'final'}: the disk is full (about" in line
     assert "MB needed" in line and "step-000001 holds the trained state" in line
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".accum-train"], "no temporary folder"
-    from accum_cli.checkpoint import read_meta
+    from accum_cli.rundir.checkpoint_meta import read_meta
 
     ckpt = read_meta(out / "checkpoints" / "step-000001").path
-    export = [sys.executable, "-c", "from accum_cli.cli import export_entry; export_entry()", str(ckpt)]
+    export = [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt)]
     full = subprocess.run([*export, str(tiny_disk / "hf")], cwd=REPO, env=env(), capture_output=True, text=True)
     assert full.returncode == 2, full.stdout + full.stderr
     assert "export to" in one_error_line(full.stderr, "accum-export") and "No space left on device" in full.stderr
@@ -685,7 +685,7 @@ def test_a_resave_of_a_step_never_leaves_it_missing(trained, tmp_path):
     """A re-save of a step (a resumed run) sets the old checkpoint aside by a rename and removes
     it only once the new one has its name: killed between the two renames, the next start puts
     the old one back; killed after them, it removes what was set aside."""
-    from accum_cli import checkpoint
+    from accum_cli.rundir import checkpoint
 
     folder = tmp_path / "run" / "checkpoints"
     shutil.copytree(trained / "checkpoints", folder)
@@ -713,7 +713,7 @@ def test_a_resave_of_a_step_never_leaves_it_missing(trained, tmp_path):
     assert checkpoint.tidy(folder.parent) == [".tmp-step-000002"]
     assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
     assert tree_digest(folder / "step-000002") != old  # the re-saved one, whole
-    assert checkpoint.latest(folder.parent) == folder / "step-000002"
+    assert checkpoint_meta.latest(folder.parent) == folder / "step-000002"
 
     shutil.copytree(folder / "step-000001", folder / ".replaced-step-000001")  # killed after them
     assert checkpoint.tidy(folder.parent) == [".replaced-step-000001"]

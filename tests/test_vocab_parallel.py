@@ -1,4 +1,4 @@
-"""The sharded layout uses its vocabulary matrices where they lie (accum_cli/vocab_parallel.py):
+"""The sharded layout uses its vocabulary matrices where they lie (accum_cli/loss/vocab_parallel.py):
 exact, never gathered for a microbatch with fewer rows than the vocabulary, gathered as before for
 one with more. The real CLI's runs of it are in test_equivalence.py (the untied model's sharded
 cases: vocabulary 384, at most 240 rows a microbatch over two ranks)."""

@@ -1,4 +1,4 @@
-"""The sharded layout's vocabulary matrices used where they lie (accum_cli/vocab_parallel.py), in a
+"""The sharded layout's vocabulary matrices used where they lie (accum_cli/loss/vocab_parallel.py), in a
 real gloo run started by torchrun; each rank writes OUT_JSON.RANK.
 
 Usage: torchrun --nproc_per_node=2 tests/vocab_probe.py OUT_JSON POLICY
@@ -31,12 +31,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutput
 
-from accum_cli import fused_loss, loop, runtime, vocab_parallel
-from accum_cli import model as modeling
-from accum_cli.data import Microbatch, empty_microbatch
-from accum_cli.loss import token_loss_sum
-from accum_cli.sharding import ShardSettings
-from accum_cli.store import IGNORE_INDEX
+from accum_cli.data.batches import Microbatch, empty_microbatch
+from accum_cli.data.store import IGNORE_INDEX
+from accum_cli.loss import fused_loss, vocab_parallel
+from accum_cli.loss.tokens import token_loss_sum
+from accum_cli.model import wrap
+from accum_cli.parallel import runtime
+from accum_cli.parallel.sharding import ShardSettings
+from accum_cli.step import loop
 
 VOCAB, WIDTH, SEQ, PAD = 37, 16, 8, 0
 
@@ -131,7 +133,7 @@ def main() -> None:
     model = Toy()
     reference = copy.deepcopy(model)
     ref_optimizer = adamw(reference)
-    modeling.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), ShardSettings())
+    wrap.shard(model, init_device_mesh("cpu", (dist.get_world_size(),)), ShardSettings())
     edges = vocab_parallel.edges(model)
     counts = {"embed": 0, "head": 0}
     count_gathers(model.embed, counts, "embed")
@@ -181,7 +183,7 @@ def main() -> None:
             },
             f,
         )
-    runtime.exit_process(0)  # FSDP modules alive at interpreter exit can abort a gloo rank (DESIGN.md)
+    runtime.exit_process(0)  # FSDP modules alive at interpreter exit can abort a gloo rank (docs/ARCHITECTURE.md)
 
 
 if __name__ == "__main__":

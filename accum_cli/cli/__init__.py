@@ -1,0 +1,1 @@
+"""The commands (`accum-train`, `accum-export`, `accum-report`) and the `--nproc` launcher wrapper."""

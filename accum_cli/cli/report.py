@@ -1,0 +1,57 @@
+"""The `accum-report` command: OUTPUT_DIR [--compare OTHER ...] [--out FILE] -> a picture of runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from accum_cli.errors import UserError
+from accum_cli.rundir.report import FORMATS, REPORT, available, draw
+
+
+def main(
+    run: Path,
+    compare: list[Path] | None = None,
+    out: Path | None = None,
+) -> None:
+    """Draw OUTPUT_DIR/report.png (or --out) from a run's metrics.jsonl, other runs overlaid."""
+    if not available():
+        raise UserError("accum-report needs matplotlib: pip install matplotlib (or 'accum-train[report]')")
+    target = out or run / REPORT
+    if target.is_dir():
+        raise UserError(f"--out {target} is a folder; name the picture's file, e.g. --out {target / REPORT}")
+    if target.suffix.lower() not in FORMATS:
+        raise UserError(f"--out {target}: name a {', '.join(FORMATS)} file; its suffix says which format to write")
+    written = draw([run, *(compare or [])], target)
+    print(f"report {written}")
+
+
+def entry() -> None:
+    """Console script `accum-report`."""
+    from accum_cli.cli.main import OneLineErrors, fail
+
+    class ReportErrors(OneLineErrors):
+        prog = "accum-report"
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+    @app.command(cls=ReportErrors, context_settings={"help_option_names": ["-h", "--help"]})
+    def command(
+        run: Annotated[Path, typer.Argument(help="A run's --output-dir (it may still be training).")],
+        compare: Annotated[
+            Optional[list[Path]], typer.Option(help="Another run's output dir to overlay (repeatable).")
+        ] = None,
+        out: Annotated[
+            Optional[Path],
+            typer.Option(help="Where to write the picture (.png, .svg or .pdf).  [default: RUN/report.png]"),
+        ] = None,
+    ) -> None:
+        """Draw loss, eval loss, learning rate, gradient norm, tokens/s and memory against the step."""
+        try:
+            main(run, compare, out)
+        except UserError as exc:
+            fail(str(exc), prog=ReportErrors.prog)
+
+    app(prog_name="accum-report")

@@ -1,0 +1,1 @@
+"""Data: where rows come from, their formats, preparation into a cache, streaming, and microbatches."""

@@ -1,0 +1,1 @@
+"""The model: loading any Hugging Face causal LM, mixtures of experts, compiling, and wrapping it for the layout."""

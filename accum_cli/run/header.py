@@ -1,0 +1,110 @@
+"""The run header: what rank 0 prints about the run before its first step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from accum_cli.config.plan import Plan
+from accum_cli.config.settings import RESUME_AUTO, TrainConfig
+from accum_cli.model import load as modeling
+from accum_cli.run.setup import Setup
+from accum_cli.rundir import checkpoint_meta
+
+
+def describe_resume(
+    meta: checkpoint_meta.Meta, plan: Plan, data_changed: bool = False, auto: bool = False
+) -> list[str]:
+    how = " (auto: the newest complete one)" if auto else ""
+    lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
+    before = (meta.world_size, meta.micro_batch)
+    now = (plan.world_size, plan.micro_batch)
+    if before != now:
+        lines.append(
+            f"layout changed   world size {meta.world_size} -> {plan.world_size}, "
+            f"micro batch {meta.micro_batch} -> {plan.micro_batch}"
+        )
+    if data_changed:
+        lines.append(
+            "data changed     --allow-data-change: the data or its order differs from the checkpoint's, "
+            "so the training differs from an uninterrupted run"
+        )
+    elif meta.global_batch == plan.global_batch:
+        lines.append(
+            f"unchanged        global batch {plan.global_batch} and the data order (seed {meta.seed}): "
+            "the same training as an uninterrupted run"
+        )
+    else:
+        lines.append(
+            f"global batch     changed {meta.global_batch} -> {plan.global_batch}: the data continues at "
+            f"sample {meta.samples:,}, but the steps differ from an uninterrupted run"
+        )
+    return lines
+
+
+PRETRAINED_LR = 2e-5  # full fine-tuning of pretrained LLM weights: 1e-3 would wreck them in a few steps
+FROM_SCRATCH_LR = 1e-3  # a small model trained from its config (the embedded default)
+
+
+def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
+    """--lr unset: a rate that fits the weights (pretrained or from scratch)."""
+    if cfg.lr is not None:
+        return cfg
+    return dataclasses.replace(cfg, lr=PRETRAINED_LR if pretrained else FROM_SCRATCH_LR)
+
+
+def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> list[str]:
+    origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
+    lines = [f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"]
+    if cfg.warmup_steps > total_steps:  # the run ends inside the warmup: the peak is never reached
+        lines.append(
+            f"note              the warmup is longer than the run's {total_steps} steps: the learning rate rises"
+            f" to {cfg.lr * total_steps / cfg.warmup_steps:.3g} only; --warmup-steps {total_steps} reaches {cfg.lr:g}"
+        )
+    return lines
+
+
+def stream_position(s: Setup) -> str:
+    if s.resume is None:
+        return "stream            read from its start"
+    return (
+        f"stream            read again up to sample {s.resume.samples:,} to resume exactly "
+        f"({s.replayed_s:.1f} s, without training)"
+    )
+
+
+def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
+    rt = s.rt
+    mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
+    tokenised = (
+        f"done once (on {s.tokenised_on} of {rt.world_size} ranks) and cached"
+        if s.tokenised_on
+        else "read from the cache (prepared by an earlier run)"
+    )
+    lines = [
+        f"model             {s.source.name}: {s.size.n_params:,} parameters"
+        + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
+        *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
+        *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
+        f"training          {s.total_steps} optimizer steps"
+        + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
+        *describe_lr(cfg, lr_given, s.source.has_weights, s.total_steps),
+        f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
+        f"layout            {s.layout.layout} ({s.layout.reason})",
+        f"sharding          {s.settings.describe()}",
+        f"micro batch       {s.plan.micro_batch} ({s.micro_reason})",
+        f"sync policy       {s.decision.policy} ({s.decision.reason})",
+        *(f"note              {note}" for note in s.settings.notes),
+    ]
+    if s.lock is not None and s.lock.took_over is not None:
+        lines.append(
+            f"note              took over the stale lock of a run that is gone ({s.lock.took_over.describe()})"
+        )
+    if s.resume is not None:
+        auto = resume == RESUME_AUTO
+        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+    elif resume == RESUME_AUTO:
+        lines.append(
+            f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint_meta.CHECKPOINTS}, starting fresh"
+        )
+    return lines

@@ -1,0 +1,144 @@
+"""The plan of a run: sequence length, memory budget, and the layout, micro batch and sync policy
+decided from the memory estimate (rank 0 decides, every rank follows); `--plan` without training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from accum_cli.config import policy
+from accum_cli.config.plan import Plan, usable_micro_batch
+from accum_cli.config.settings import TrainConfig
+from accum_cli.errors import UserError
+from accum_cli.memory import fit, layout
+from accum_cli.model import load as modeling
+from accum_cli.parallel import runtime
+from accum_cli.parallel.sharding import ShardSettings
+from accum_cli.rundir.metrics import print_lines
+
+EMBEDDED_SEQ_LEN = 128
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def resolve_seq_len(cfg: TrainConfig, model_config) -> int:
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    if cfg.seq_len is None:
+        if cfg.dataset is None:
+            return EMBEDDED_SEQ_LEN
+        return min(DEFAULT_MAX_SEQ_LEN, max_positions or DEFAULT_MAX_SEQ_LEN)
+    if max_positions and cfg.seq_len > max_positions:
+        raise UserError(
+            f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_positions} positions; "
+            f"use --seq-len {max_positions} or less"
+        )
+    return cfg.seq_len
+
+
+def model_size(shapes: dict[str, tuple[int, ...]], bf16: bool) -> policy.ModelSize:
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
+
+
+def fit_target(cfg: TrainConfig, model_config, seq_len: int, world_size: int, settings: ShardSettings) -> fit.Target:
+    return fit.Target(
+        json.loads(model_config.to_json_string()), cfg.global_batch, world_size, cfg.replicas, seq_len,
+        settings.bf16, settings.activation_checkpointing, settings.reshard_after_forward, cfg.strict_batch,
+    )  # fmt: skip
+
+
+def check_layout(cfg: TrainConfig, world_size: int) -> None:
+    """The cheap batch and mesh checks, before any estimate (micro batch auto: m = 1 for now)."""
+    plan = plan_before_fit(cfg, world_size)
+    if cfg.strict_batch:
+        plan.require_divisible()
+    policy.shard_size(plan, cfg.replicas)
+
+
+def plan_before_fit(cfg: TrainConfig, world_size: int) -> Plan:
+    """The plan before any estimate: micro batch auto counts as 1 for now."""
+    return Plan(cfg.global_batch, 1 if cfg.micro_batch == fit.AUTO else usable(cfg, world_size), world_size)
+
+
+def usable(cfg: TrainConfig, world_size: int) -> int | str:
+    """--micro-batch as the run can use it: auto, or at most a rank's share of the step."""
+    if cfg.micro_batch == fit.AUTO:
+        return fit.AUTO
+    return usable_micro_batch(cfg.micro_batch, cfg.global_batch, world_size)
+
+
+def micro_reason_of(cfg: TrainConfig, world_size: int, reason: str) -> str:
+    """Why the micro batch is what it is; "as requested" would hide that a larger one was capped."""
+    used = usable(cfg, world_size)
+    if used == fit.AUTO or used == cfg.micro_batch:
+        return reason
+    return f"--micro-batch {cfg.micro_batch} capped at a rank's share of the step, ceil(G/W) = {used}"
+
+
+def plan_only(cfg: TrainConfig, world_size: int) -> None:
+    """--plan: the plan for any world size, from the model's config alone; no training."""
+    check_layout(cfg, world_size)
+    source = modeling.resolve_source(cfg.model)
+    model_config = modeling.load_config(source, cfg.trust_remote_code)
+    seq_len = resolve_seq_len(cfg, model_config)
+    modeling.parameter_shapes(model_config, cfg.trust_remote_code)  # refuses a config no model can be built from
+    # Planning for a cluster: CUDA with bf16 unless told otherwise.
+    settings = ShardSettings(
+        bf16=cfg.precision != "fp32",
+        reshard_after_forward=cfg.reshard_after_forward is not False,
+        activation_checkpointing=bool(cfg.activation_checkpointing),
+    )
+    budget = budget_for(cfg)
+    target = fit_target(cfg, model_config, seq_len, world_size, settings)
+    choice = layout.decide(cfg.layout, target, usable(cfg, world_size), cfg.sync, budget, show_all=True)
+    plan = Plan(cfg.global_batch, choice.micro_batch, world_size)
+    if cfg.strict_batch:
+        plan.require_divisible()
+    print_lines(plan.describe(seq_len), "plan")
+    replicated = fit.describe_replicated(choice.replicated, budget, choice.micro_batch) if choice.replicated else []
+    if choice.sharded is not None:
+        table = fit.describe(target, choice.sharded, budget, replicated)
+    else:
+        table = [f"budget            {budget.describe()}", *replicated]
+    print_lines(
+        [
+            *table,
+            f"micro batch       {choice.micro_batch} ({micro_reason_of(cfg, world_size, choice.micro_reason)})",
+            f"chosen: {choice.policy.policy} — {choice.policy.reason}",
+            f"layout: {choice.layout.layout} — {choice.layout.reason}",
+        ],
+        f"memory per rank and sync policy ({cfg.sync})",
+    )
+
+
+def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budget:
+    """--device-memory-gib, else this rank's device (a run) or this machine's free RAM (--plan)."""
+    if cfg.device_memory_gib is not None:
+        return fit.Budget(int(cfg.device_memory_gib * 2**30), "from --device-memory-gib")
+    if rt is None:
+        return fit.Budget(
+            runtime.available_ram_bytes(), "this machine's free RAM; set --device-memory-gib for the target"
+        )
+    return fit.Budget(runtime.device_memory_bytes(rt), f"{rt.device.type} memory per local rank")
+
+
+def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings):
+    """Collective: the layout, micro batch and sync policy, decided by rank 0 from the estimates
+    (layout.decide) and sent to every rank, so all ranks run the same plan whatever each one's
+    free memory is."""
+    answer = ""
+    if rt.is_main:
+        target = fit_target(cfg, model_config, seq_len, rt.world_size, settings)
+        try:
+            choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget_for(cfg, rt))
+            answer = json.dumps([choice.layout.layout, choice.layout.reason, choice.micro_batch, choice.micro_reason,
+                                 choice.policy.policy, choice.policy.reason])  # fmt: skip
+        except UserError as exc:
+            answer = json.dumps({"error": str(exc)})
+    answer = json.loads(runtime.broadcast_text(answer, rt.device))
+    if isinstance(answer, dict):
+        raise UserError(answer["error"])  # printed by rank 0 alone
+    chosen, why, micro_batch, micro_reason, sync, reason = answer
+    micro_reason = micro_reason_of(cfg, rt.world_size, micro_reason)
+    # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
+    plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
+    return layout.Decision(chosen, why), plan, micro_reason, policy.Decision(sync, reason)

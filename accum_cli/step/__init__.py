@@ -1,0 +1,1 @@
+"""One optimizer step over the microbatches (the exact loop), the optimizer and schedule, evaluation."""
