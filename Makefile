@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory mutants clean
+.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory gpu-check mutants clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,12 @@ bench-peers: setup
 # Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~6 min).
 bench-memory: setup
 	$(BIN)/python bench/memory.py
+
+# One CUDA GPU: the memory estimate vs the GPU, then accum-train vs hand-written FSDP2 and the HF Trainer on a
+# 1B Llama (~5.5 min on an H100, 7 at most). No setup (it would install the CPU torch): the machine's own
+# python and CUDA torch run this checkout uninstalled; PYTHON=... picks another interpreter.
+gpu-check:
+	$${PYTHON:-python3} bench/gpu_check.py
 
 # Hand-written mutants, each against the tests that should catch it (bench/MUTANTS.md). Slow; not CI.
 mutants: setup
