@@ -194,7 +194,7 @@ CASES = [
     (["--lr", "-1e-3"], "--lr must be a positive number, got -0.001"),
     (["--sync", "sometimes"], "--sync 'sometimes' is unknown; use one of: auto, every, last"),
     (["--sync", "hsdp-defer"], "--sync hsdp-defer needs --replicas 2 or more"),
-    (["--precision", "bf16"], "--precision bf16 needs a CUDA device"),
+    (["--precision", "fp16"], "--precision 'fp16' is unknown"),
     (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore' is unknown"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be >= 1"),
     (["--bogus-flag"], "No such option: --bogus-flag"),

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, save_tiny_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -147,3 +147,23 @@ def test_a_llama_with_swapped_norms_trains_the_same():
     assert rel_err(losses[1].detach(), losses[0].detach()) < 1e-6
     for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert rel_err(q.grad, p.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "device, bf16, swapped", [("cpu", False, True), ("cuda", False, False), ("cpu", True, False)], ids=str
+)
+def test_cpu_kernels_only_on_an_fp32_cpu_run(tmp_path, device, bf16, swapped):
+    """The closed-form RMSNorm and the oneDNN linear layers are CPU-only fp32 speedups (cpu/): a CUDA
+    run keeps the model's own modules, and so does a bf16 run (autocast and FSDP2's bf16 copies pick
+    their own kernels). The install is decided from the device alone, so a CUDA device object is
+    enough to check it here; nothing runs on it."""
+    from transformers import AutoModelForCausalLM
+
+    from accum_cli.model import wrap
+    from accum_cli.parallel.sharding import ShardSettings
+
+    save_tiny_model(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    wrap._eager_kernels_and_fused_loss(model, ShardSettings(bf16=bf16), torch.device(device))
+    own = {type(m).__name__ for m in model.model.modules() if "forward" in m.__dict__}  # the head: the loss's
+    assert own == ({"LlamaRMSNorm", "Linear"} if swapped else set()), own

@@ -48,23 +48,21 @@ class Choice:
     replicated: Estimate | None = None  # the replicated layout's, where it was made
 
 
-def blockers(sync: str, replicas: int, bf16: bool) -> list[str]:
+def blockers(sync: str, replicas: int) -> list[str]:
     """What only the sharded layout can do, among the flags asked for."""
     found = []
     if replicas > 1:
         found.append("--replicas (HSDP) shards inside each replica")
     if sync not in (policy.AUTO, policy.LAST):
         found.append(f"--sync {sync} reduces more than once per step, to save memory only sharding has")
-    if bf16:
-        found.append("bf16 mixed precision is applied by FSDP2's policy")
     return found
 
 
-def check(requested: str, sync: str, replicas: int, bf16: bool) -> None:
+def check(requested: str, sync: str, replicas: int) -> None:
     """The cheap refusals, before any estimate: an unknown layout, a replicated one that cannot be honoured."""
     if requested not in LAYOUTS:
         raise UserError(f"--layout {requested!r} is unknown; use one of: {', '.join(LAYOUTS)}")
-    blocked = blockers(sync, replicas, bf16)
+    blocked = blockers(sync, replicas)
     if requested == REPLICATE and blocked:
         raise UserError(f"--layout replicate cannot be used: {blocked[0]}; use --layout shard")
 
@@ -77,8 +75,8 @@ def decide(
     layout's choice for `--micro-batch auto`: replicating never buys a bigger one), else shards.
     One rank has nothing to shard across, so `auto` replicates there without an estimate.
     `show_all` (--plan) estimates both layouts whatever is chosen."""
-    check(requested, sync, target.replicas, target.bf16)
-    blocked = blockers(sync, target.replicas, target.bf16)
+    check(requested, sync, target.replicas)
+    blocked = blockers(sync, target.replicas)
     if requested == SHARD or blocked:
         return sharded(Decision(SHARD, "as requested" if requested == SHARD else blocked[0]), target, micro_batch,
                        sync, budget, show_all)  # fmt: skip

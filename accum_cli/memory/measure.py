@@ -167,8 +167,6 @@ def _fake_model(query: Query, fake_mode):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from accum_cli.config.settings import TrainConfig
-    from accum_cli.cpu import kernels
-    from accum_cli.loss import fused_loss
     from accum_cli.model import wrap
     from accum_cli.parallel.runtime import Runtime
     from accum_cli.parallel.sharding import ShardSettings
@@ -181,10 +179,8 @@ def _fake_model(query: Query, fake_mode):
         with fake_mode:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
             model.train()
-            kernels.fuse_rms_norms(model)  # as model.build_replicated does
-            fused_loss.install(model)
-            if query.activation_checkpointing:  # as model.build_replicated does
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            settings = ShardSettings(bf16=query.bf16, activation_checkpointing=query.activation_checkpointing)
+            wrap.prepare_replicated(model, settings, torch.device("cpu"))  # as the run's build_replicated
             optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)
         return model, optimizer, config
     if dist.is_initialized():

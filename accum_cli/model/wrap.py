@@ -37,14 +37,36 @@ def _copy_view_outputs(module: nn.Module, args, output):
 
 
 def _eager_kernels_and_fused_loss(model: nn.Module, settings: ShardSettings, device: torch.device) -> bool:
-    """The eager kernels where the layers stay eager (compiled, they fuse the norm's ops and choose
-    their GEMMs themselves), then the fused loss (fused_loss.py, fp32 only), whose probe runs the
-    model once: before any layer is compiled, so that the probe is not the compiled layers' first
-    call. Returns whether the loss is fused."""
-    if not settings.compile:
+    """The CPU's eager kernels (cpu/: an fp32 CPU run whose layers stay eager; compiled, they fuse the
+    norm's ops and choose their GEMMs themselves; on CUDA the model's own modules run), then the
+    fused loss (fused_loss.py, fp32 only), whose probe runs the model once: before any layer is
+    compiled, so that the probe is not the compiled layers' first call. Returns whether the loss is fused."""
+    if device.type == "cpu" and not settings.compile and not settings.bf16:
         kernels.fuse_rms_norms(model)
         cpu_linear.use_onednn(model)
     return not settings.bf16 and fused_loss.install(model, device)
+
+
+def compute_in_bf16(model: nn.Module, device: torch.device) -> None:
+    """The replicated layout's bf16 mixed precision, as DDP with AMP does it: the parameters stay
+    fp32 (the master weights), their gradients accumulate and are summed over ranks in fp32, and the
+    forward runs under autocast, which computes the matmuls in bf16 from bf16 copies of the weights
+    (made once per forward). The sharded layout gets the same from FSDP2's MixedPrecisionPolicy."""
+    model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+
+
+def prepare_replicated(model: nn.Module, settings: ShardSettings, device: torch.device) -> nn.Module:
+    """What the replicated layout adds to a whole model (the run's and the memory estimate's)."""
+    _eager_kernels_and_fused_loss(model, settings, device)
+    if settings.bf16:
+        compute_in_bf16(model, device)
+    if settings.compile:
+        compile_layers(model)
+    elif settings.compile_auto:
+        prepare_compile(model)
+    if settings.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
@@ -176,14 +198,7 @@ def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, 
     """The whole model on every rank (layout.py): every rank reads the same weights, or draws
     the same ones from the seed, so the replicas start equal and stay equal."""
     model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
-    _eager_kernels_and_fused_loss(model, settings, rt.device)
-    if settings.compile:
-        compile_layers(model)
-    elif settings.compile_auto:
-        prepare_compile(model)
-    if settings.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return prepare_replicated(model, settings, rt.device)
 
 
 def describe_replicated(model: nn.Module) -> str:

@@ -59,7 +59,7 @@ class ShardSettings:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def describe(self) -> str:
-        parts = ["bf16 params, fp32 reduction" if self.bf16 else "fp32"]
+        parts = ["bf16 compute, fp32 master weights and gradient reduction" if self.bf16 else "fp32"]
         if not self.reshard_after_forward:
             parts.append("no reshard after forward")
         if self.offload_params:
@@ -133,12 +133,10 @@ def _accelerate_compiles(env, notes: list[str]) -> bool:
 
 
 def _precision(cfg: TrainConfig, device_type: str, env, notes: list[str]) -> bool:
-    if cfg.precision == "bf16":
-        if device_type != "cuda":
-            raise UserError("--precision bf16 needs a CUDA device; use --precision fp32 on CPU")
-        return True
-    if cfg.precision == "fp32":
-        return False
+    """bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction) on any
+    device; `auto` is the accelerate config's choice, else bf16 on CUDA and fp32 on CPU."""
+    if cfg.precision in ("bf16", "fp32"):
+        return cfg.precision == "bf16"
     requested = env.get("ACCELERATE_MIXED_PRECISION")
     if requested is None:
         return device_type == "cuda"
@@ -151,10 +149,7 @@ def _precision(cfg: TrainConfig, device_type: str, env, notes: list[str]) -> boo
     if mode == PrecisionType.NO:
         return False
     if mode == PrecisionType.BF16:
-        if device_type == "cuda":
-            return True
-        notes.append("mixed_precision bf16 needs CUDA: training in fp32 on CPU")
-        return False
+        return True
     fallback = "bf16" if device_type == "cuda" else "fp32"
     notes.append(f"mixed_precision {mode.value} is not supported (no loss scaling here): training in {fallback}")
     return device_type == "cuda"
