@@ -757,6 +757,11 @@ MUTANTS = [
     Mutant("layers: a torch symbol moved without a word", "accum_cli/torch_compat.py",
            "raise MovedError(f\"{path}: not found in this torch ({exc})\") from None", "return None",
            ("tests/test_torch_compat.py",)),
+    Mutant("isolate: a process holding CUDA forks its data child", "accum_cli/data/isolate.py",
+           "    if cuda_initialized():\n        return in_spawned_child(fn, *args)\n", "",
+           ("tests/test_isolate.py", "-k", "spawns")),
+    # --- trust, round three (issue 37), part B -------------------------------------------------
+    # --- trust, round three (issue 37), part C -------------------------------------------------
 ]  # fmt: skip
 
 

@@ -23,6 +23,13 @@ contestant's tokens/s by several percent here) cancels out of the ratio. The hea
 
     make bench                                    # REPS=3, about 6 minutes on 2 idle cores
     .venv/bin/python bench/speed.py --reps 1 --only accum-train accelerate
+    .venv/bin/python bench/speed.py --precision fp32 bf16
+
+bf16 rows (`--precision bf16`): every contestant in its own documented bf16 mode, the path every GPU
+run takes: accum-train `--precision bf16`, `Accelerator(mixed_precision="bf16")`, the Trainer with
+`bf16=True`; ratios are taken within a precision. By default they run where the CPU computes bf16
+natively (avx512_bf16 or amx_bf16 in /proc/cpuinfo); elsewhere bf16 is emulated and every contestant
+crawls (a 1024x1024 bf16 matmul 65x slower than fp32 on an AVX2-only EPYC), so the table says so.
 
 A benchmark, not a test: it exits 0 whatever the ratios are, non-zero only on a crash.
 """
@@ -94,13 +101,18 @@ def finish() -> None:
     os._exit(0)
 
 
+def bf16() -> bool:
+    return os.environ.get("BENCH_SPEED_PRECISION") == "bf16"
+
+
 def accelerate_loop(model_dir: str, data: str) -> None:
     """Accelerate's documented gradient-accumulation loop; each rank reads its share of each step."""
     import torch
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+    precision = "bf16" if bf16() else "no"
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, mixed_precision=precision)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     loader = torch.utils.data.DataLoader(rows(data), batch_size=M)
@@ -143,7 +155,7 @@ def trainer(model_dir: str, data: str) -> None:
         output_dir=str(Path(data).parent / "trainer"), per_device_train_batch_size=M,
         gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=LR, weight_decay=0.0,
         lr_scheduler_type="constant", max_grad_norm=CLIP, optim="adamw_torch", use_cpu=True, ddp_backend="gloo",
-        save_strategy="no", report_to=[], disable_tqdm=True, train_sampling_strategy="sequential",
+        save_strategy="no", report_to=[], disable_tqdm=True, train_sampling_strategy="sequential", bf16=bf16(),
     )  # fmt: skip
     Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Clock()]).train()
     report([b - a for a, b in zip(ends, ends[1:], strict=False)])
@@ -171,7 +183,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(name: str, model_dir: Path, data: Path, tmp: Path, env: dict) -> list[float]:
+def run(name: str, model_dir: Path, data: Path, tmp: Path, env: dict, precision: str = "fp32") -> list[float]:
     torchrun = [
         str(Path(sys.executable).with_name("torchrun")),
         f"--nproc_per_node={W}",
@@ -183,7 +195,9 @@ def run(name: str, model_dir: Path, data: Path, tmp: Path, env: dict) -> list[fl
     else:
         out = tmp / f"run-{time.monotonic_ns()}"
         cmd = [*torchrun, "-m", "accum_cli", *accum_train_flags(model_dir, data, out), *what]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+        cmd += ["--precision", "bf16"] if precision == "bf16" else []  # else accum-train's default: fp32 on a CPU
+    done = subprocess.run(cmd, env=env | {"BENCH_SPEED_PRECISION": precision}, capture_output=True, text=True,
+                          timeout=1200)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     if isinstance(what, str):
@@ -202,7 +216,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "3")))
     parser.add_argument("--only", nargs="+", choices=list(CONTESTANTS), default=list(CONTESTANTS))
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=default_precisions(),
+                        help="fp32, bf16 or both (default: bf16 too where this CPU computes it natively)")  # fmt: skip
     args = parser.parse_args()
+    for precision in args.precision:
+        table(args, precision)
+    if "bf16" not in args.precision:
+        print("\nbf16 rows: not run, this CPU has no native bf16 (no avx512_bf16 or amx_bf16): "
+              "every contestant would run emulated bf16; --precision bf16 runs them anyway")  # fmt: skip
+
+
+def default_precisions() -> list[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return ["fp32", "bf16"] if ("avx512_bf16" in flags or "amx_bf16" in flags) else ["fp32"]
+
+
+def table(args: argparse.Namespace, precision: str) -> None:
+    """One precision: the contestants alternating for --reps rounds, then the table."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", BENCH_SPEED_ROLE="",
                PYTHONPATH=f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
     runs: dict[str, list[float]] = {name: [] for name in args.only}
@@ -210,13 +241,12 @@ def main() -> None:
         model_dir, data = write_workload(Path(tmp))
         for rep in range(args.reps):
             for name in args.only:  # alternating: a slow minute of the machine hits every contestant alike
-                rates = run(
-                    name, model_dir, data, Path(tmp), env | ({"BENCH_SPEED_ROLE": "rank"} if name in PEERS else {})
-                )
+                role = {"BENCH_SPEED_ROLE": "rank"} if name in PEERS else {}
+                rates = run(name, model_dir, data, Path(tmp), env | role, precision)
                 runs[name].append(statistics.median(rates))
-                print(f"rep {rep + 1}/{args.reps}  {name:<22} {runs[name][-1]:8.0f} tokens/s", flush=True)
+                print(f"rep {rep + 1}/{args.reps}  {precision}  {name:<22} {runs[name][-1]:8.0f} tokens/s", flush=True)
     ratios = round_ratios(runs)
-    print(f"\nLlama 4 x {HIDDEN}, vocab {VOCAB}, fp32, seq {SEQ}, G={G}, m={M}, {W} gloo ranks; median of steps "
+    print(f"\nLlama 4 x {HIDDEN}, vocab {VOCAB}, {precision}, seq {SEQ}, G={G}, m={M}, {W} gloo ranks; median of steps "
           f"{WARMUP + 1}-{STEPS}, {args.reps} rounds alternating; {machine()}")  # fmt: skip
     print(f"{'contestant':<24} {'tokens/s':>9} {'min-max':>15} {'vs best peer':>13} {'min-max':>11}")
     for name, rates in runs.items():

@@ -155,3 +155,22 @@ def test_bf16_runs_in_the_precision_it_says(workdir, tmp_path):
     assert seen == [torch.bfloat16]
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+
+
+@pytest.mark.distributed
+def test_a_bf16_resume_continues_the_same_training(workdir, tmp_path, world=2, layout="shard"):
+    """Checkpoints hold the fp32 master weights and AdamW state whatever the compute dtype: a bf16
+    run resumed from its step-2 checkpoint gives the uninterrupted run's step 3 (sharded on two
+    ranks, as a GPU run is; the replicated layout's checkpoints are the same fp32 state)."""
+    common = ["--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"), "--precision", "bf16",
+              "--micro-batch", "2", "--layout", layout, *COMMON]  # fmt: skip
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    done = run_cli([*common, "--output-dir", str(whole), "--checkpoint-every", "1"], nproc=world)
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = run_cli([*common, "--output-dir", str(resumed), "--resume", str(whole / "checkpoints/step-000002")],
+                    nproc=world)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    (last,) = read_metrics(resumed)
+    expected = read_metrics(whole)[-1]
+    assert last["step"] == expected["step"] == STEPS
+    assert rel_err(last["loss"], expected["loss"]) < 1e-6 and rel_err(last["grad_norm"], expected["grad_norm"]) < 1e-6

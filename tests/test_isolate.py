@@ -171,3 +171,53 @@ def test_a_training_process_never_imports_the_data_libraries(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         assert said in done.stdout
         assert "HEAVY []" in done.stdout, done.stdout
+
+
+# The spawned child (a process that holds CUDA is never forked) unpickles its function by name:
+# these live at module level.
+PARENTS_STATE: list[str] = []  # filled in by the test: a forked child has it, a spawned one imports this afresh
+
+
+def _report_pid_and_the_parents_state(x):
+    return [x * 2, os.getpid(), bool(PARENTS_STATE)]
+
+
+def _refuse():
+    raise UserError("the dataset has no column 'text'; pass --text-column NAME")
+
+
+def _crash():
+    raise KeyError("row")
+
+
+def _signal_self(signum):
+    os.kill(os.getpid(), signum)
+    time.sleep(60)
+
+
+def test_a_process_holding_cuda_spawns_its_child_instead_of_forking(monkeypatch):
+    """A fork would copy CUDA's and NCCL's state into the child; a spawned child starts afresh
+    (it has none of this process's state, which a forked one inherits), and says what a forked one says."""
+    monkeypatch.setattr(sys.modules[__name__], "PARENTS_STATE", ["set in the parent"])
+    forked = isolate.in_child(_report_pid_and_the_parents_state, 21)
+    assert forked[0] == 42 and forked[1] != os.getpid() and forked[2], "forked: the parent's state"
+    monkeypatch.setattr(isolate, "cuda_initialized", lambda: True)
+    doubled, pid, inherited = isolate.in_child(_report_pid_and_the_parents_state, 21)
+    assert doubled == 42 and pid != os.getpid() and not inherited, "spawned: a fresh interpreter"
+    with pytest.raises(UserError, match=r"^the dataset has no column 'text'; pass --text-column NAME$"):
+        isolate.in_child(_refuse)
+    with pytest.raises(RuntimeError, match="KeyError"):
+        isolate.in_child(_crash)
+    with pytest.raises(RuntimeError, match="killed by SIGTERM"):
+        isolate.in_child(_signal_self, signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        isolate.in_child(_signal_self, signal.SIGINT)
+
+
+def test_cuda_is_looked_up_not_imported():
+    """The data layer's check never imports torch into a process that has not (the estimate's and
+    the trainer's own imports decide that), and a CPU torch reports no CUDA state."""
+    code = "import sys; from accum_cli.data import isolate; print(isolate.cuda_initialized(), 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr

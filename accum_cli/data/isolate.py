@@ -11,8 +11,14 @@ The child reports back through a pipe as JSON (our own child, our own format; no
 unpickled): its return value, or the one line of a UserError, which the parent raises as its
 own, so bad input still gives one line and exit 2. Ctrl-C or a signal ends the child at once
 (its own workers die with it), Ctrl-C there is Ctrl-C here, and the caller removes what a
-stopped child left (train.py). Where fork is not what it is on Linux, the function runs in this
+stopped child left (run/setup.py). Where fork is not what it is on Linux, the function runs in this
 process instead: the same result, without the saving.
+
+A process that has initialised CUDA (a GPU run: the process group and the device exist before the
+data is prepared) is never forked: a fork copies CUDA's and NCCL's state into a child that cannot
+use it. There the child is spawned (a fresh interpreter that imports only what the work needs),
+and the function and its arguments reach it through multiprocessing (our own objects, to our own
+child); the answer comes back as JSON as from a forked child.
 """
 
 from __future__ import annotations
@@ -37,10 +43,19 @@ def available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
+def cuda_initialized() -> bool:
+    """Whether this process holds CUDA state (torch is looked up, never imported, here)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
 def in_child(fn: Callable, *args):
-    """fn(*args) in a forked child: its JSON-able result, or its UserError raised here."""
+    """fn(*args) in a child (forked; spawned where CUDA is initialised): its JSON-able result, or
+    its UserError raised here."""
     if not available():
         return fn(*args)
+    if cuda_initialized():
+        return in_spawned_child(fn, *args)
     read_end, write_end = os.pipe()
     sys.stdout.flush()  # or the child's exit would print what this process had buffered again
     sys.stderr.flush()
@@ -62,6 +77,36 @@ def in_child(fn: Callable, *args):
         _stop(pid)
         raise
     _, status = os.waitpid(pid, 0)
+    return _answer(text, status)
+
+
+def in_spawned_child(fn: Callable, *args):
+    """fn(*args) in a spawned child: a module-level function and picklable arguments."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = context.Process(target=_serve_spawned, args=(send, fn, args, os.getpid()))
+    child.start()
+    send.close()
+    try:
+        try:
+            text = receive.recv_bytes().decode()
+        except EOFError:  # it ended without a word
+            text = ""
+    except BaseException:  # Ctrl-C, or a stop: the child is ended too
+        _stop(child.pid)
+        raise
+    finally:
+        receive.close()
+    _, status = os.waitpid(child.pid, 0)
+    return _answer(text, status)
+
+
+def _answer(text: str, status: int):
+    """The child's report as the caller's: its value, its UserError, or a failure that names how it ended."""
     report = json.loads(text) if text else {}
     if "error" in report:
         raise UserError(report["error"])
@@ -87,8 +132,17 @@ def _stop(pid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def _serve(write_end: int, fn: Callable, args, parent: int) -> None:
-    """The child's whole life: whatever happens, it ends in os._exit, never back in the caller."""
+def _serve_spawned(connection, fn: Callable, args, parent: int) -> None:
+    def send(text: str) -> None:
+        connection.send_bytes(text.encode())
+        connection.close()
+
+    _serve(send, fn, args, parent)
+
+
+def _serve(write_end: int | Callable[[str], None], fn: Callable, args, parent: int) -> None:
+    """The child's whole life: whatever happens, it ends in os._exit, never back in the caller.
+    `write_end` is the pipe's file descriptor (forked) or what sends the report (spawned)."""
     report = {"crash": "no report"}
     try:
         # Ctrl-C or a job's SIGTERM (they reach the child too: its process group) ends the child at
@@ -108,8 +162,12 @@ def _serve(write_end: int, fn: Callable, args, parent: int) -> None:
             traceback.print_exc()
         report = {"crash": f"{type(exc).__name__}: {first_line(exc)}"}
     finally:
-        with contextlib.suppress(BaseException), os.fdopen(write_end, "w") as pipe:  # a parent gone: nobody to tell
-            json.dump(report, pipe)
+        with contextlib.suppress(BaseException):  # a parent gone: nobody to tell
+            if callable(write_end):
+                write_end(json.dumps(report))
+            else:
+                with os.fdopen(write_end, "w") as pipe:
+                    json.dump(report, pipe)
         with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
