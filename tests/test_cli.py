@@ -34,7 +34,8 @@ def test_plan_for_a_cluster_from_a_laptop():
     assert "tokens per step   262,144" in result.output
     assert "per rank          256 sequences per step" in result.output
     assert "estimated at      micro batch 4, seq len 128, bf16" in result.output
-    assert "chosen: last-keep-params" in result.output  # this machine's RAM holds every policy
+    # this machine's RAM holds the whole bf16 training state: replicated, one all-reduce per step
+    assert "layout: replicate — estimated peak " in result.output and "chosen: last — replicated" in result.output
 
 
 def test_plan_explains_a_non_divisible_batch_and_the_policy_numbers():
