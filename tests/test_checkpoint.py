@@ -223,15 +223,24 @@ def test_export_round_trip(uninterrupted, tmp_path):
     assert AutoTokenizer.from_pretrained(target)("a")["input_ids"][0] == 100
 
 
+def poison_token(model_dir: Path, token: int = 383) -> None:
+    """Finite weights whose loss is inf wherever `token` is the label: its output row is -3e38 on
+    dimension 0, which the embedding's column 0 (all ones) keeps positive in every final hidden
+    state, so its logit overflows to -inf everywhere and only a `token` label costs inf. (Not a NaN
+    weight: a run never saves non-finite weights, test_trust_weights.py.)"""
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.embed_tokens.weight"][:, 0] = 1.0
+    weights["lm_head.weight"][token] = 0.0
+    weights["lm_head.weight"][token, 0] = -3e38
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def poisoned(root, tmp_path_factory):
-    """A model whose embedding row for token 383 is NaN, and data where only one row, read in
-    step 1, holds that token: a real NaN in a known step, rank and microbatch."""
+    """A model whose loss is inf where token 383 is the label (poison_token), and data where only
+    one row, read in step 1, holds that token: a real inf loss in a known step, rank and microbatch."""
     folder = tmp_path_factory.mktemp("nan")
-    model_dir = save_tiny_model(folder / "model")
-    weights = load_file(model_dir / "model.safetensors")
-    weights["model.embed_tokens.weight"][383] = float("nan")
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    poison_token(save_tiny_model(folder / "model"))
     n_rows = 30
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(n_rows)]
@@ -271,10 +280,7 @@ def test_nonfinite_skip_goes_on_without_applying_the_step(poisoned, uninterrupte
     assert [m["lr"] for m in metrics] == pytest.approx([m["lr"] for m in read_metrics(uninterrupted[2])], rel=1e-12)
     weights = load_file(out / "final/model.safetensors")
     for name, tensor in weights.items():
-        finite = torch.isfinite(tensor)
-        if name == "model.embed_tokens.weight":
-            finite[383] = True  # the poisoned row itself stays NaN
-        assert finite.all(), name
+        assert torch.isfinite(tensor).all(), name
 
 
 @pytest.mark.parametrize("policy", ["abort", "skip"])
@@ -329,9 +335,7 @@ def test_a_checkpoint_after_only_skipped_steps_changes_nothing_and_resumes(tmp_p
     optimizer without state: the live run then counted one step more and its next update was ~26%
     smaller), and a resume from that checkpoint must go on as the run that never saved."""
     model_dir = save_tiny_model(tmp_path / "model")
-    weights = load_file(model_dir / "model.safetensors")
-    weights["model.embed_tokens.weight"][383] = float("nan")
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    poison_token(model_dir)
     n_rows, global_batch = 12, 4
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(n_rows)]
@@ -346,9 +350,7 @@ def test_a_checkpoint_after_only_skipped_steps_changes_nothing_and_resumes(tmp_p
                     "--lr-schedule", "constant", "--warmup-steps", "0", "--on-nonfinite", "skip",
                     "--output-dir", str(out), *extra]))  # fmt: skip
         assert [m.get("skipped", False) for m in read_metrics(out)] == [True, False, False][-len(read_metrics(out)) :]
-        final = load_file(out / "final/model.safetensors")
-        final["model.embed_tokens.weight"][383] = 0.0  # the poisoned row stays NaN in every run
-        return final
+        return load_file(out / "final/model.safetensors")
 
     whole = run(tmp_path / "whole")
     saved = run(tmp_path / "saved", "--checkpoint-every", "1", "--keep-checkpoints", "3")

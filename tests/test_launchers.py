@@ -181,6 +181,9 @@ def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it()
     assert outcome({0: -15, 1: -9}) == (137, "worker rank 1 was killed by SIGKILL (out of memory? killed by hand?)")
     assert outcome({1: -15, 0: -15}) == (143, "worker rank 0 was killed by SIGTERM (out of memory? killed by hand?)")
     assert outcome({1: 2, 0: 74}) == (74, None)
+    # Rank 0 refused (exit 2, its one line printed), rank 1 was then stopped by the agent: the
+    # refusal's code and no word of a kill (it was exit 143 and "rank 1 was killed by SIGTERM").
+    assert outcome({0: 2, 1: -15}) == (2, None)
 
 
 SLOW_SAVE = """

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "accum_cli"
 
 # Lowest first. A top-level module is named by itself, a sub-package by its folder.
 LAYERS = [
-    ("errors", "torch_compat"),  # words every layer uses; private torch behind one door
+    ("errors", "torch_compat", "safe_json"),  # words every layer uses; private torch behind one door; bounded JSON
     ("config",),  # the configuration and the pure batch plan: no torch
     ("cpu",),  # speedups that only a CPU run installs
     ("data",),  # rows -> prepared sequences -> microbatches

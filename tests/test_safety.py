@@ -21,9 +21,10 @@ def plant_code(model, sentinel, model_type: str) -> None:
     (model / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("model_type, code", [("llama", 0), ("evil-llm", 2)], ids=["known type", "unknown type"])
+@pytest.mark.parametrize("model_type, code", [("llama", 2), ("evil-llm", 2)], ids=["known type", "unknown type"])
 def test_code_shipped_with_a_model_never_runs_unasked(tmp_path, model_type, code):
-    """A known model type trains with transformers' own class; an unknown one is refused."""
+    """Refused either way: an unknown type by transformers, a known one (whose own class transformers
+    would train, the code dropped unsaid) by accum-train (test_trust_weights.py)."""
     model = save_tiny_model(tmp_path / "model")
     sentinel = tmp_path / "remote-code-ran"
     plant_code(model, sentinel, model_type)

@@ -248,6 +248,8 @@ def test_how_far_the_trackers_were_sent_outlives_a_rewind_but_not_an_overwrite(t
     from accum_cli.rundir import metrics, tracking
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+    # a run folder's record: how far the run meant to go bounds what ids.json may claim was sent
+    (tmp_path / "config.json").write_text(json.dumps({"plan": {"total_steps": 7}}))
     assert tracking.sent_until(tmp_path) == 7
     tracking.remember_sent(tmp_path)  # no W&B or trackio run here: nothing to keep
     assert not (tmp_path / tracking.FOLDER).exists()

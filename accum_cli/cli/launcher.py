@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,10 +178,7 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
     except SystemExit as exc:
         # Accelerate turns a signal to the launcher (SIGTERM from Slurm, Ctrl-C) into exit
         # 128 + signal, after the elastic agent forwarded it to the workers and let them stop.
-        code = exc.code if isinstance(exc.code, int) else 1
-        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and _nothing_lost(output_dir):
-            return EXIT_PREEMPTED, None
-        return code, None
+        return after_a_signal(exc.code if isinstance(exc.code, int) else 1, output_dir)
     except Exception as exc:
         # torch elastic's ChildFailedError carries each worker's exit code
         failures = getattr(exc, "failures", None)
@@ -195,18 +193,47 @@ def outcome(exitcodes: dict[int, object]) -> tuple[int, str | None]:
     workers' exit codes by rank. When one worker dies, the agent sends the others SIGTERM: a rank
     killed by another signal is the cause, whatever its rank."""
     killed = {rank: code for rank, code in exitcodes.items() if isinstance(code, int) and code < 0}
-    causes = {rank: code for rank, code in killed.items() if code != -signal.SIGTERM} or killed
-    if causes:
-        rank = min(causes)
-        return _died(rank, causes[rank])
-    first = exitcodes[min(exitcodes)]
-    return (first if isinstance(first, int) and first > 0 else 1), None
+    by_another_signal = {rank: code for rank, code in killed.items() if code != -signal.SIGTERM}
+    if by_another_signal:  # SIGKILL (the OOM killer), SIGSEGV, ...: the cause
+        rank = min(by_another_signal)
+        return _died(rank, by_another_signal[rank])
+    # A worker that exited on its own said why (one line: a refusal's exit 2, a failed save's 74);
+    # the SIGTERMs the others got are the agent's answer to it, not the cause.
+    exited = {rank: code for rank, code in exitcodes.items() if isinstance(code, int) and code > 0}
+    if exited:
+        return exited[min(exited)], None
+    if killed:
+        rank = min(killed)
+        return _died(rank, killed[rank])
+    return 1, None
 
 
 def _died(rank: int, exitcode: int) -> tuple[int, str]:
     """A worker killed by a signal (negative exit code): exit as a shell would, 128 + signal."""
     name = signal.Signals(-exitcode).name if -exitcode in signal.Signals._value2member_map_ else f"signal {-exitcode}"
     return 128 - exitcode, f"worker rank {rank} was killed by {name} (out of memory? killed by hand?)"
+
+
+def after_a_signal(code: int, output_dir: Path) -> tuple[int, str | None]:
+    """The wrapper's exit code once a SIGTERM or Ctrl-C reached it, from what the run folder holds:
+    0 where the run had finished (final/ written after its last checkpoint: nothing to requeue),
+    75 where a checkpoint holds every completed step (requeue and resume), else the signal's code."""
+    if code not in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+        return code, None
+    if _finished(output_dir):
+        print("accum-train: the run had finished (final/ written) when the signal arrived", file=sys.stderr)
+        return 0, None
+    return (EXIT_PREEMPTED, None) if _nothing_lost(output_dir) else (code, None)
+
+
+def _finished(output_dir: Path) -> bool:
+    from accum_cli.rundir import checkpoint_meta
+
+    newest = checkpoint_meta.latest(output_dir)
+    final = output_dir / "final" / "config.json"
+    if newest is None or not final.is_file():
+        return False
+    return final.stat().st_mtime >= (newest / checkpoint_meta.META).stat().st_mtime
 
 
 def _nothing_lost(output_dir: Path) -> bool:

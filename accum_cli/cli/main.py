@@ -165,6 +165,8 @@ def main(
             raise UserError(
                 "--prepare-only has nothing to prepare with --streaming (it tokenises on the fly); drop one"
             )
+        if resume is not None and not resume.strip():  # an unset variable: `--resume "$CKPT"`
+            raise UserError("--resume is empty; pass a checkpoint folder, latest or auto, or leave the flag out")
         if resume == RESUME_AUTO and cfg.overwrite:
             raise UserError("--resume auto continues a run and --overwrite discards it; pass one of them")
         if world_size is not None and not plan:  # before a launch: the workers would each refuse it

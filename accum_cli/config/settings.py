@@ -39,6 +39,11 @@ LAYOUTS = (LAYOUT_AUTO, SHARD, REPLICATE)
 RESUME_AUTO = "auto"  # the newest checkpoint if there is one, else a fresh start
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64; numpy's default_rng any non-negative int
 MAX_GLOBAL_BATCH = 2**40  # far past any real step; the plan's arithmetic (--strict-batch: O(sqrt G)) stays instant
+# Training arithmetic (master weights, AdamW's state) is fp32 whatever --precision says; this layer
+# imports no torch, so its limits are written out: torch.finfo(torch.float32).max and .tiny (the
+# smallest normal number), tests/test_trust_weights.py checks them against torch.
+FP32_MAX = (2 - 2**-23) * 2.0**127
+FP32_TINY = 2.0**-126
 
 # --help panels, in the order they are shown.
 MODEL_DATA = "Model & data"
@@ -48,6 +53,8 @@ CHECKPOINTS = "Checkpoints & resume"
 LAUNCH = "Launch"
 OUTPUT = "Output"
 PANELS = (MODEL_DATA, BATCH, OPTIMISATION, CHECKPOINTS, LAUNCH, OUTPUT)
+# The top level of a run's config.json, as run/record.py `run_record_of` writes it: only "config" is read.
+RUN_RECORD_KEYS = ("config", "plan", "resumed_from")
 
 
 def option(
@@ -61,10 +68,12 @@ def option(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    why: str | None = None,
 ) -> Any:
-    """A config field with everything the flag, the recipe key and the checks need to know."""
+    """A config field with everything the flag, the recipe key and the checks need to know
+    (`why`: what an out-of-bounds value would do and what to pass, said after the bounds)."""
     meta = {"help": help, "panel": panel, "none_means": none_means, "choices": choices,
-            "ge": ge, "gt": gt, "le": le, "lt": lt}  # fmt: skip
+            "ge": ge, "gt": gt, "le": le, "lt": lt, "why": why}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -133,7 +142,11 @@ class TrainConfig:
                                  OPTIMISATION, ge=0)  # fmt: skip
     adam_beta1: float = option(0.9, "AdamW beta1.", OPTIMISATION, ge=0, lt=1)
     adam_beta2: float = option(0.95, "AdamW beta2.", OPTIMISATION, ge=0, lt=1)
-    adam_eps: float = option(1e-8, "AdamW epsilon.", OPTIMISATION, ge=0)
+    adam_eps: float = option(
+        1e-8, "AdamW epsilon.", OPTIMISATION, ge=FP32_TINY,
+        why="smaller values are 0 or subnormal in fp32, where AdamW's update is 0/0 (NaN) for every weight whose "
+        "gradient is 0 (a token the data never holds): use 1e-8, the usual value",
+    )  # fmt: skip
     grad_clip: float = option(1.0, "Max global gradient L2 norm; 0 disables clipping.", OPTIMISATION, ge=0)
     seed: int = option(0, "Seed of the data order, of dropout and of the weights of a model built from its config.",
                        OPTIMISATION, ge=0, le=SEED_MAX)  # fmt: skip
@@ -267,15 +280,23 @@ def _out_of_bounds(f: dataclasses.Field, value: Any) -> str | None:
     above = (ge is None or value >= ge) and (gt is None or value > gt)
     below = (le is None or value <= le) and (lt is None or value < lt)
     if above and below:
+        # Finite here, infinite in the fp32 arithmetic that uses it (--lr 1e39 makes every weight inf).
+        if isinstance(value, float) and abs(value) > FP32_MAX:
+            return f"{name} must be a finite fp32 number (at most {FP32_MAX:g}: training computes in fp32), got {got}"
         return None
+    why = f"; {meta['why']}" if meta["why"] else ""
     # each side as (interval notation, words)
     low = (f"[{ge}", f">= {ge}") if ge is not None else (f"({gt}", f"> {gt}") if gt is not None else None
     high = (f"{le}]", f"<= {le}") if le is not None else (f"{lt})", f"< {lt}") if lt is not None else None
     if low is not None and high is not None:
-        return f"{name} must lie in {low[0]}, {high[0]}, got {got}"
+        return f"{name} must lie in {low[0]}, {high[0]}, got {got}{why}"
     if low is not None:
-        return f"{name} must be a positive number, got {got}" if gt == 0 else f"{name} must be {low[1]}, got {got}"
-    return f"{name} must be {high[1]}, got {got}"
+        return (
+            f"{name} must be a positive number, got {got}{why}"
+            if gt == 0
+            else f"{name} must be {low[1]}, got {got}{why}"
+        )
+    return f"{name} must be {high[1]}, got {got}{why}"
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
@@ -284,6 +305,14 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     path = Path(path).expanduser()
     raw = recipe.read_mapping(path)
     if isinstance(raw.get("config"), dict) and "plan" in raw:  # a run's config.json: its resolved config
+        # Anything else up here (`lr: 5.0` beside "config", an edit in the wrong place) would be
+        # ignored: refused, as an unknown key of a recipe is.
+        for key in raw:
+            if key not in RUN_RECORD_KEYS:
+                raise UserError(
+                    f"recipe {path}: unknown top-level key {recipe.quote(key)} in a run's config.json, which "
+                    f'holds only {", ".join(RUN_RECORD_KEYS)}; put options under "config"'
+                )
         raw = raw["config"]
     overrides = {}
     for key, value in raw.items():

@@ -292,23 +292,23 @@ def collect(key: str, make: Callable[[bool], None], options: Options, is_main: b
 
     def made_here(show_progress: bool) -> tuple[Prepared, Stats]:
         make(show_progress)
-        result = cached(key)
+        result = cached(key, options)
         if result is None:
             raise RuntimeError(f"the prepared data {cache_root() / key} is not in the cache after preparing it")
         return result
 
     if is_main:
-        found = cached(key)
+        found = cached(key, options)
         if found is None:
             found, made = made_here(True), True
     barrier()  # rank 0's copy is published
     if not is_main:
-        found = cached(key)
+        found = cached(key, options)
         if found is None and is_node_leader:  # this node has a disk of its own
             found, made = made_here(False), True
     barrier()  # every node leader's copy is published
     if found is None:  # a sibling of a node leader: the leader's copy, or (another cache still) our own
-        found = cached(key)
+        found = cached(key, options)
         if found is None:
             found, made = made_here(False), True
     data, stats = found

@@ -91,6 +91,17 @@ def check_exists(dataset: str | None, flag: str = "--dataset") -> None:
             raise UserError(f"{flag} {dataset} matches no file; check the pattern")
     elif not Path(dataset).expanduser().exists():
         raise UserError(f"{flag} {dataset} does not exist; pass an existing file, folder, glob or hub id")
+    else:
+        path = Path(dataset).expanduser()
+        if not (path.is_file() or path.is_dir()):  # a device, a pipe, a socket: nothing to read twice
+            raise UserError(
+                f"{flag} {dataset} is neither a regular file nor a folder; pass a data file "
+                f"({', '.join(FILE_BUILDERS)}), a folder of them, a glob or a hub id"
+            )
+        if path.is_dir() and not any(
+            p.suffix in FILE_BUILDERS and p.is_file() for p in path.rglob("*") if not _hidden(p.relative_to(path))
+        ):
+            raise UserError(f"{flag} {dataset} holds no {', '.join(FILE_BUILDERS)} files; pass a folder of data files")
 
 
 def load_raw(

@@ -19,20 +19,23 @@ meta.json also records a BLAKE2b digest of every 1 MiB block of each file. A cac
 become a silently wrong token. Hashing a whole corpus at every start would cost minutes at
 pretraining scale, so a block is checked the first time a sample in it is read (once per process):
 the cost is one read of what the run touches, spread over the run, and a damaged block stops the
-run before its bytes reach the model.
+run before its bytes reach the model. The digests do not cover meta.json itself: cache.validated checks it when
+the folder is read back, against the options of its key and the files (sizes, row boundaries, every id within the
+vocabulary: one read of the ids per start, no hashing), before the run writes anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from accum_cli import safe_json
 from accum_cli.errors import RankError
 
 IGNORE_INDEX = -100
@@ -230,14 +233,8 @@ class Prepared:
 
     @classmethod
     def load(cls, folder: Path, meta: dict, key: str) -> Prepared:
-        """Memory-map the files meta.json names, after checking their sizes (a torn copy is refused);
-        their bytes are checked block by block as samples are read (BlockCheck)."""
-        if meta.get("version") != FORMAT_VERSION or meta.get("key") != key:
-            raise OSError(f"{folder / 'meta.json'} describes other prepared data (format or key differ)")
-        for name, size in meta["files"].items():
-            path = folder / name
-            if not path.is_file() or path.stat().st_size != size:
-                raise OSError(f"{path} is missing or has the wrong size")
+        """Memory-map the files of a folder whose meta.json was validated against them (cache.validated); their
+        bytes are checked block by block as samples are read (BlockCheck)."""
         files = meta["files"]
         checks = {name: BlockCheck(folder / name, size, meta["digests"][name]) for name, size in files.items()}
 
@@ -300,7 +297,20 @@ class Prepared:
 
 
 def read_meta(folder: Path) -> dict | None:
+    """A published folder's meta.json, as written (cache.validated checks it); None where there is none."""
     path = folder / "meta.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    return safe_json.loads(path.read_text())
+
+
+# The files a prepared folder may hold, with the type of their elements (tokens.bin's is meta.json's dtype).
+FILE_DTYPES = {"tokens.bin": None, "mask.bin": np.dtype(np.uint8), "labels.bin": np.dtype(np.int32),
+               "offsets.bin": np.dtype(np.int64)}  # fmt: skip
+
+
+def slices(path: Path, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+    """The file's first `count` elements, SCAN_TOKENS at a time: read, not memory-mapped, so that the
+    process holds one slice, not the pages of the whole file."""
+    for start in range(0, count, SCAN_TOKENS):
+        yield np.fromfile(path, dtype, min(SCAN_TOKENS, count - start), offset=start * dtype.itemsize)

@@ -22,6 +22,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -84,7 +85,12 @@ class Session:
         from accum_cli.memory.measure import Measurer  # torch, only where measured in this process
 
         try:
-            return Measurer().measure(queries)
+            # What torch's trackers warn about (ModTracker's "module hierarchy tracking maybe be messed up"
+            # on our second microbatch) is the child's log there; here it would print above the run's
+            # one-line refusal, a traceback-like line the user can do nothing about.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return Measurer().measure(queries)
         except Exception as exc:  # a model the estimate cannot build or run: one line, as from the child
             raise EstimateFailed(
                 f"the memory estimate failed ({type(exc).__name__}: {first_line(exc)[:200]})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ def load_config(source: ModelSource, trust_remote_code: bool):
             ) from None
         hint = "" if source.is_local else " (is the hub reachable from here?)"
         raise UserError(f"--model {source.name}: cannot read its config{hint}: {first_line(exc)}") from None
+    check_remote_code(source, config, trust_remote_code)
     for name in SIZE_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
@@ -91,6 +93,25 @@ def load_config(source: ModelSource, trust_remote_code: bool):
         # predicts unless its config says decoder: trained so, it learns to copy the next token.
         config.is_decoder = True
     return config
+
+
+def check_remote_code(source: ModelSource, config, trust_remote_code: bool) -> None:
+    """Without --trust-remote-code, a config whose auto_map names code is refused by name. For a
+    model_type it knows, transformers loads its own classes and skips that code without a word (an
+    unknown type it refuses itself, above): the model would train as another architecture than the
+    one its author shipped, and the user would never know."""
+    auto_map = getattr(config, "auto_map", None)
+    if trust_remote_code or not isinstance(auto_map, dict) or not auto_map:
+        return
+    # The entry that changes what trains first, for the message: the model class, its config, the rest.
+    entry = next((k for k in ("AutoModelForCausalLM", "AutoConfig") if k in auto_map), next(iter(auto_map)))
+    named = json.dumps({entry: auto_map[entry]})  # as config.json writes it, escaped: one line
+    named = named if len(named) <= 160 else named[:157] + "..."
+    raise UserError(
+        f"--model {source.name}: its config's auto_map names code to run at load ({named}), which transformers "
+        f"would skip for its own {config.model_type} classes without a word; read it, then pass "
+        "--trust-remote-code if you trust it"
+    )
 
 
 @contextlib.contextmanager

@@ -121,7 +121,24 @@ def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budge
     return fit.Budget(runtime.device_memory_bytes(rt), f"{rt.device.type} memory per local rank")
 
 
-def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings):
+MASTER_BYTES = 4  # per parameter: the fp32 master weights every layout keeps, before any gradient or AdamW state
+
+
+def check_weights_fit(size: policy.ModelSize, budget: fit.Budget, world_size: int) -> None:
+    """The cheapest refusal of a model too big for the machine, before anything is built (a config
+    asking for a vocabulary of 1e9 would otherwise fail deep in torch's allocator): its fp32 weights
+    alone, sharded over every rank, must fit a rank's budget."""
+    need = size.n_params * MASTER_BYTES / world_size
+    if need > budget.bytes:
+        raise UserError(
+            f"the model has {size.n_params:,} parameters: their fp32 weights alone need {fit.gib(need)} per rank over "
+            f"{world_size} rank(s), more than the budget of {budget.describe()}; use more ranks or a smaller model"
+        )
+
+
+def decide(
+    cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, settings: ShardSettings, size: policy.ModelSize
+):
     """Collective: the layout, micro batch and sync policy, decided by rank 0 from the estimates
     (layout.decide) and sent to every rank, so all ranks run the same plan whatever each one's
     free memory is."""
@@ -129,7 +146,12 @@ def decide(cfg: TrainConfig, rt: runtime.Runtime, model_config, seq_len: int, se
     if rt.is_main:
         target = fit_target(cfg, model_config, seq_len, rt.world_size, settings)
         try:
-            choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget_for(cfg, rt))
+            budget = budget_for(cfg, rt)
+            choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget)
+            # Where no estimate was needed (one rank, a fixed micro batch and policy), this is the check
+            # that remains; offloaded, the weights live in host memory, not the device's.
+            if not settings.offload_params:
+                check_weights_fit(size, budget, rt.world_size)
             answer = json.dumps([choice.layout.layout, choice.layout.reason, choice.micro_batch, choice.micro_reason,
                                  choice.policy.policy, choice.policy.reason])  # fmt: skip
         except UserError as exc:

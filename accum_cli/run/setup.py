@@ -186,7 +186,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         chosen_layout, micro_reason = layout.Decision(cfg.layout, "--prepare-only"), "--prepare-only"
         decision = policy.Decision(cfg.sync, "--prepare-only")
     else:
-        chosen_layout, plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings)
+        chosen_layout, plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings, size)
     total_steps = cfg.max_steps or epoch_steps(int(cfg.epochs * len(dataset)), plan.global_batch, meta)
     if meta is not None and meta.step >= total_steps:
         done = meta.step == total_steps and finished(out, meta)

@@ -27,7 +27,7 @@ from accum_cli.rundir import checkpoint, export, outdir, tracking
 from accum_cli.rundir.metrics import Reporter, flops_per_token, print_lines
 from accum_cli.step import optim
 from accum_cli.step.evaluate import eval_loss
-from accum_cli.step.loop import train_step
+from accum_cli.step.loop import check_finite_parameters, train_step
 
 
 class Preempted(Exception):
@@ -89,6 +89,9 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     }  # fmt: skip
 
     def save_checkpoint(step: int, samples: int, draw: bool = True) -> Path:
+        # Every save, the last one included (final/ is written from the same weights right after
+        # it), is of finite weights only: else the previous checkpoint stays the newest one.
+        check_finite_parameters(model, step, rt.device)
         path, seconds = checkpoint.save(
             s.output_dir, step, samples, model, optimizer, record, s.model_config, s.tokenizer,
             cfg.keep_checkpoints, rt.is_main, rt.device,
@@ -237,7 +240,8 @@ def per_token_flops(s: Setup) -> float:
 
 
 def finish(s: Setup, cfg: TrainConfig, model, last: Path, end: int, reporter: Reporter) -> dict:
-    """Collective: final/ in the export dtype; rank 0 prints the summary."""
+    """Collective: final/ in the export dtype (of the weights `last` holds, checked finite before
+    it was saved); rank 0 prints the summary."""
     export_dtype = export.resolve_export_dtype(cfg.export_dtype, s.model_config)
     save_final_model(s, model, last, export_dtype)
     summary = reporter.last or {}

@@ -331,7 +331,46 @@ def dcp_load(state: dict, meta: Meta, flag: str, no_dist: bool = False) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, planner=safe_dcp.WeightsOnlyPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        stopped = _stop_inside(exc)
+        if stopped is not None:  # a SIGTERM's or Ctrl-C's stop reached DCP mid-load: not the checkpoint's fault
+            raise stopped from None
         raise _refusal(exc, meta.path, flag) from None
+
+
+def _stop_inside(exc: BaseException) -> BaseException | None:
+    """A stop (a BaseException that is no error: the run's SIGTERM handler's, KeyboardInterrupt) that
+    DCP wrapped as a failure of the load; the caller reports it as the stop it is."""
+    for wrapped, _trace in (getattr(exc, "failures", None) or {}).values():
+        if isinstance(wrapped, BaseException) and not isinstance(wrapped, Exception):
+            return wrapped
+    return None
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> float:
+    """The most steps the optimizer state of any parameter counts (AdamW keeps a `step` per parameter); 0 for none."""
+    taken = 0.0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step = (step.full_tensor() if hasattr(step, "full_tensor") else step).item()
+        if isinstance(step, (int, float)):
+            taken = max(taken, float(step))
+    return taken
+
+
+def check_optimizer_steps(meta: Meta, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Collective, right after the load and before any step or write: the optimizer state has taken no more steps
+    than meta.json records. meta.json's step, and the samples it implies, decide where the data and the learning
+    rate continue, and the optimizer state is the record of them that meta.json cannot edit (its bytes are checked
+    against their digests). It may have taken fewer: a step skipped for a non-finite loss updates nothing. Read
+    after the load, as reading it before would mean reading DCP's files outside DCP."""
+    taken = torch.tensor([optimizer_steps(optimizer)], dtype=torch.float64, device=device)
+    dist.all_reduce(taken, op=dist.ReduceOp.MAX)  # one verdict on every rank
+    if taken.item() > meta.step:
+        raise UserError(
+            f"--resume {meta.path}: {META} is corrupt (it records step {meta.step}, but the optimizer state saved "
+            f"with it has taken {taken.item():.0f} steps); resume an earlier checkpoint"
+        )
 
 
 def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -343,6 +382,7 @@ def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> floa
     set_model_state_dict(model, state["model"])
     # Not strict: a parameter without saved optimizer state (above) keeps none.
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+    check_optimizer_steps(meta, optimizer, next(model.parameters()).device)
     rng_name = f"rng-rank{dist.get_rank()}.safetensors"
     if rng_name in meta.files:  # a rank that did not exist in the saved layout keeps its seeded state
         try:

@@ -18,6 +18,7 @@ META = "meta.json"
 FORMAT_VERSION = 2
 MAX_META_BYTES = 1 << 20
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_NAMED_STEP = re.compile(r"^(?:rewound-)?step-(\d+)(?:\.\d+)?$")  # as saved, or as a rewind set it aside
 _HEX = re.compile(r"^[0-9a-f]+$")
 
 
@@ -44,6 +45,21 @@ def step_dir(root: Path, step: int) -> Path:
 def step_of(folder: Path) -> int | None:
     match = _STEP_DIR.match(folder.name)
     return int(match.group(1)) if match else None
+
+
+def named_step(folder: Path) -> int | None:
+    """The step a checkpoint folder is named for: `step-N`, or `rewound-step-N[.k]` once a rewind set it aside."""
+    match = _NAMED_STEP.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def furthest_step(root: Path) -> int:
+    """The greatest step a checkpoint folder under OUTPUT_DIR/checkpoints is named for (those a rewind set aside
+    included); 0 when there is none."""
+    try:
+        return max((named_step(p) or 0 for p in (root / CHECKPOINTS).iterdir()), default=0)
+    except OSError:  # no checkpoints folder, or an unreadable one
+        return 0
 
 
 def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
@@ -100,8 +116,13 @@ def _validated(raw: object) -> dict:
     }
     if fields["origin_step"] >= fields["step"]:
         raise ValueError(f"origin_step {fields['origin_step']} is not before step {fields['step']}")
-    implied = fields["origin_samples"] + (fields["step"] - fields["origin_step"]) * fields["global_batch"]
-    if fields["samples"] != implied or fields["origin_samples"] < fields["origin_step"]:
+    # A run's first global batch applies from step 0, where no sample was consumed yet; a later one from the
+    # resume that changed it, after at least one sample a step.
+    origin_step, origin_samples = fields["origin_step"], fields["origin_samples"]
+    if origin_samples < origin_step or (origin_step == 0 and origin_samples != 0):
+        raise ValueError(f"origin_samples {origin_samples} cannot be the data position at origin_step {origin_step}")
+    implied = origin_samples + (fields["step"] - origin_step) * fields["global_batch"]
+    if fields["samples"] != implied:
         raise ValueError(f"samples {fields['samples']} is not what the steps imply ({implied})")
     files = raw.get("files")
     if not isinstance(files, dict) or ".metadata" not in files or len(files) > 100_000:
@@ -167,6 +188,14 @@ def _read_meta(path: Path, flag: str) -> Meta:
         raise UserError(
             f"{flag} {path}: {META} is corrupt ({first_line(exc)[:200]}); resume an earlier checkpoint"
         ) from None
+    # A checkpoint is saved under its step's name: a step (and the samples it implies) edited in meta.json would
+    # resume another training than the one saved, at another data position and learning rate.
+    named = named_step(path)
+    if named is not None and named != meta.step:
+        raise UserError(
+            f"{flag} {path}: {META} is corrupt (it records step {meta.step}, but the folder is named for step {named}); "
+            "resume an earlier checkpoint"
+        )
     for name, entry in meta.files.items():
         file = path / name
         if not file.is_file():

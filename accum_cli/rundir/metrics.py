@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from accum_cli import safe_json
 from accum_cli.rundir import outdir
 from accum_cli.step.loop import StepResult
 
@@ -156,7 +157,7 @@ def json_line(record: dict) -> str:
 def _record_step(line: str) -> int | None:
     """A metrics line's step; None for a line that is not a record (one torn by a full disk or a kill)."""
     try:
-        step = json.loads(line)["step"]
+        step = safe_json.loads(line)["step"]
     except (ValueError, TypeError, KeyError):
         return None
     return step if isinstance(step, int) else None

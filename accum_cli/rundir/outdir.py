@@ -31,7 +31,27 @@ MARKER = ".accum-train"
 LOCK = ".accum-train.lock"
 RECORD_FILES = ("config.json", "metrics.jsonl")  # written by a run into its folder
 OWN_FOLDERS = ("checkpoints", "final")
+REPORT = "report.png"  # drawn by report.py
+TRACKERS = "trackers"  # the trackers' folder (tracking.py): its ids.json, and what each tracker writes there
+TRACKER_IDS = "ids.json"  # in TRACKERS: the trackers' run ids, and how far they were sent
 MAX_LOCK_BYTES = 4096
+
+
+def temporary(path: Path) -> Path:
+    """Where a file is written before it is renamed over `path` (replace_text, report.draw)."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+# Every name in a run folder that accum-train writes, appends to, renames over or removes, and whether it is a
+# folder there. A link at any of them would take the write to a file or folder elsewhere (`trackers` linked to a
+# folder of the user's would get W&B's files and lose its ids.json); a name of the other kind would stop the run
+# halfway (no file can be renamed over a folder named ids.json). `checkpoints/` and `trackers/` hold more: see _links.
+_RENAMED_OVER = ("metrics.jsonl", REPORT, f"{TRACKERS}/{TRACKER_IDS}")  # written beside, at temporary(name), first
+OWN_NAMES = {
+    **dict.fromkeys((LOCK, MARKER, *RECORD_FILES, REPORT, f"{TRACKERS}/{TRACKER_IDS}"), False),
+    **{temporary(Path(name)).as_posix(): False for name in _RENAMED_OVER},
+    **dict.fromkeys((*OWN_FOLDERS, TRACKERS), True),
+}
 
 
 def mark(folder: Path, what: str) -> None:
@@ -88,16 +108,36 @@ def _foreign_entries(out: Path) -> list[str]:
 
 
 def _links(out: Path) -> list[str]:
-    """accum-train's own names in `out` that are symbolic links: writing, appending or removing
-    through one would reach a file or folder elsewhere (a lock file linked to the user's notes)."""
+    """The names in `out` that accum-train would write through and that are symbolic links: its own names (a lock
+    file linked to the user's notes, `trackers` linked to the user's folder); anything in checkpoints/, whose
+    folders it renames and removes; and anything at the top of trackers/, each a folder it hands a tracker
+    (wandb/, trackio/, TensorBoard's run) or its ids.json. Below those, the links are the trackers' own (W&B's
+    `latest-run`, and its `logs/debug-core.log` into W&B's data dir) and are left to them."""
     if not out.is_dir():
         return []
-    names = [name for name in (LOCK, MARKER, *RECORD_FILES, *OWN_FOLDERS) if (out / name).is_symlink()]
+    names = [name for name in OWN_NAMES if (out / name).is_symlink()]
     checkpoints = out / "checkpoints"
     if checkpoints.is_dir() and not checkpoints.is_symlink():
         with contextlib.suppress(OSError):  # unreadable: the resume that reads it says so, in one line
             names += [f"checkpoints/{p.name}" for p in sorted(checkpoints.iterdir()) if p.is_symlink()]
+    trackers = out / TRACKERS
+    if trackers.is_dir() and not trackers.is_symlink():
+        with contextlib.suppress(OSError):  # unreadable: nothing can be written there either
+            linked = [f"{TRACKERS}/{p.name}" for p in sorted(trackers.iterdir()) if p.is_symlink()]
+            names += [name for name in linked if name not in names]
     return names
+
+
+def _wrong_kind(out: Path) -> tuple[str, str] | None:
+    """The first of accum-train's names in `out` that is not what accum-train keeps there: (name, what it is)."""
+    for name, folder in OWN_NAMES.items():
+        path = out / name
+        if folder and path.exists() and not path.is_dir():
+            return name, "not a folder, where accum-train keeps a folder of its own"
+        if not folder and path.exists() and not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            return name, f"{what}, where accum-train keeps a file of its own"
+    return None
 
 
 def check(out: Path, overwrite: bool, resuming: bool) -> None:
@@ -108,6 +148,9 @@ def check(out: Path, overwrite: bool, resuming: bool) -> None:
             f"--output-dir {out}: {links[0]} is a symbolic link, and accum-train writes and removes only "
             "files and folders of its own there; remove the link or pick another --output-dir"
         )
+    wrong = _wrong_kind(out)
+    if wrong is not None:
+        raise UserError(f"--output-dir {out}: {wrong[0]} is {wrong[1]}; move it away or pick another --output-dir")
     kind = marked_as(out)
     if kind not in (None, "run"):  # training there would write a run's files into a checkpoint or a model
         raise UserError(
@@ -260,9 +303,9 @@ def _now() -> str:
 def replace_text(path: Path, text: str) -> None:
     """Write `text` beside `path` and rename it over: a kill or a full disk mid-write leaves the old
     file whole, and no temporary file stays behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
+    tmp = temporary(path)
+    try:  # never through a link (check() refuses one; this holds should one appear since)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

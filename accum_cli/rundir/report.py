@@ -9,11 +9,12 @@ the picture of a run that is still going, or compares runs.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
+from accum_cli import safe_json
 from accum_cli.errors import UserError
+from accum_cli.rundir import outdir
 
 PANELS = (
     ("loss", "loss (token-weighted)"),
@@ -22,7 +23,7 @@ PANELS = (
     ("tokens_per_s", "tokens/s"),
     ("peak_mem_gib", "peak memory (GiB)"),
 )
-REPORT = "report.png"
+REPORT = outdir.REPORT
 FORMATS = (".png", ".svg", ".pdf")  # what --out may name: matplotlib writes each by its suffix
 
 
@@ -43,7 +44,7 @@ def read_run(folder: Path) -> tuple[list[dict], str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = safe_json.loads(line)
         except ValueError:
             if number == len(lines):  # a run still writing its last line
                 break
@@ -55,7 +56,7 @@ def read_run(folder: Path) -> tuple[list[dict], str]:
 
 def describe_plan(folder: Path) -> str:
     try:
-        plan = json.loads((folder / "config.json").read_text())["plan"]
+        plan = safe_json.loads((folder / "config.json").read_text())["plan"]
         return (
             f"G={plan['global_batch']}  m={plan['micro_batch']}  W={plan['world_size']}  "
             f"A={plan['accum_steps']}  sync={plan['sync']}"
@@ -95,7 +96,7 @@ def draw(runs: list[Path], out: Path) -> Path:
     summary.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=8, wrap=True)
     title = loaded[0][2] if len(loaded) == 1 else f"{len(loaded)} runs"
     fig.suptitle(f"accum-train  {loaded[0][0].name}  {title}" if len(loaded) == 1 else f"accum-train: {title}")
-    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
+    tmp = outdir.temporary(out)  # a name outdir.check() keeps free of links in a run folder
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(tmp, dpi=80, format=out.suffix[1:].lower())

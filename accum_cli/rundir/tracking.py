@@ -15,8 +15,9 @@ import re
 import secrets
 from pathlib import Path
 
+from accum_cli import safe_json
 from accum_cli.errors import UserError
-from accum_cli.rundir import outdir
+from accum_cli.rundir import checkpoint_meta, outdir
 from accum_cli.rundir.metrics import last_logged_step
 
 # tracker name -> (the module that must import, the pip package that provides it)
@@ -31,7 +32,7 @@ PACKAGES = {
     "dvclive": ("dvclive", "dvclive"),
     "swanlab": ("swanlab", "swanlab"),
 }
-FOLDER = "trackers"  # under --output-dir: where trackers that write files put them
+FOLDER = outdir.TRACKERS  # under --output-dir: where trackers that write files put them
 
 
 def installed(name: str) -> bool:
@@ -78,7 +79,7 @@ def flat_hparams(tree: dict, prefix: str = "") -> dict:
 # What to do when a tracker cannot start, where one thing usually fixes it.
 START_FIXES = {"wandb": "log in (wandb login, or WANDB_API_KEY) or log offline with WANDB_MODE=offline"}
 PROJECT = "accum-train"  # the W&B / trackio project unless WANDB_PROJECT / TRACKIO_PROJECT says otherwise
-IDS = "ids.json"  # under FOLDER: the tracker run ids of this run, the same across --resume
+IDS = outdir.TRACKER_IDS  # under FOLDER: the tracker run ids of this run, the same across --resume
 CONTINUED = ("wandb", "trackio")  # trackers whose run a resume continues, and which keep every step logged
 
 
@@ -95,7 +96,7 @@ def run_ids(folder: Path, fresh: bool) -> dict:
 
 def _read_ids(folder: Path) -> dict:
     try:
-        ids = json.loads((folder / IDS).read_text())
+        ids = safe_json.loads((folder / IDS).read_text())
     except (OSError, ValueError):
         return {}
     return ids if isinstance(ids, dict) else {}
@@ -111,9 +112,27 @@ SENT = "sent_until"  # in IDS: the last step W&B and trackio were sent, kept whe
 
 def sent_until(output_dir: Path) -> int:
     """The last step the continued trackers were sent: metrics.jsonl's last record, or further where a
-    rewind dropped records that had been sent (a rewound attempt stopped before its old last step)."""
-    stored = _read_ids(output_dir / FOLDER).get(SENT, 0)
-    return max(stored if type(stored) is int else 0, last_logged_step(output_dir))
+    rewind dropped records that had been sent (a rewound attempt stopped before its old last step).
+
+    The stored step is believed only where the run folder shows the run got that far or meant to: a step past
+    every step of the run (an edit, damage) would send W&B and trackio nothing up to it, silently. Such a value,
+    or one that is not a whole number, is ignored rather than refused: ids.json only spares the trackers steps
+    they already have, and without it the worst is a redone step sent again (W&B drops it with a warning)."""
+    logged = last_logged_step(output_dir)
+    stored = _read_ids(output_dir / FOLDER).get(SENT)
+    if type(stored) is not int or not 0 <= stored <= max(logged, _run_steps(output_dir)):
+        stored = 0
+    return max(stored, logged)
+
+
+def _run_steps(output_dir: Path) -> int:
+    """How far the run folder shows the run went or meant to go: the steps config.json planned (the last
+    attempt's), and the steps of its checkpoints, those a rewind set aside included."""
+    try:
+        planned = safe_json.loads((output_dir / "config.json").read_text())["plan"]["total_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        planned = 0
+    return max(planned if type(planned) is int else 0, checkpoint_meta.furthest_step(output_dir))
 
 
 def remember_sent(output_dir: Path) -> None:

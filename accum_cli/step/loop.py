@@ -28,7 +28,34 @@ from accum_cli.parallel.runtime import all_reduce_sum
 
 
 class NonFiniteError(RuntimeError):
-    """A loss or gradient norm that is NaN or infinite, caught before the optimizer step."""
+    """A loss or gradient norm that is NaN or infinite, caught before the optimizer step; or a
+    parameter that is, caught before anything is saved from it (check_finite_parameters)."""
+
+
+def check_finite_parameters(model: nn.Module, step: int, device: torch.device) -> None:
+    """Collective, before each save (a checkpoint, and so final/ after the last one): raise
+    NonFiniteError on every rank when any rank's parameters hold a NaN or an infinity, naming the
+    first such parameter. A finite loss and gradient norm do not make a finite update: AdamW with
+    a zero eps gives 0/0 on every row no token reached, and lr x weight decay can overflow fp32,
+    and such weights must never become a checkpoint or a final/ that reads as a success. One pass
+    over this rank's parameters (a DTensor's local shard), one host sync, one all-reduce: per save,
+    not per step. Not skippable with --on-nonfinite skip: the weights themselves are lost."""
+    named = list(model.named_parameters())
+    if not named:
+        return
+    bad = torch.stack(
+        [~torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all().to(device) for _, p in named]
+    )
+    # The parameters are listed in the same order on every rank: the lowest bad index names the
+    # same parameter everywhere, whichever rank's shard holds it.
+    first = torch.where(bad, torch.arange(len(named), device=device), len(named)).min().reshape(1)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    index = int(first.item())
+    if index < len(named):
+        raise NonFiniteError(
+            f"step {step}: parameter {named[index][0]} holds NaN or inf after the update, so no checkpoint or final/ "
+            "was written from it (check the model's weights, --lr, --weight-decay and --adam-eps)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
