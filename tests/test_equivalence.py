@@ -59,13 +59,9 @@ def pad(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, labels
 
 
-def reference(model_dir: Path, rows: list[dict]) -> dict:
-    """One process, no sharding, one forward/backward per step over all G sequences."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(
+def adamw(params: list) -> torch.optim.Optimizer:
+    """AdamW as accum-train builds it: weight decay on matrices only."""
+    return torch.optim.AdamW(
         [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -74,6 +70,15 @@ def reference(model_dir: Path, rows: list[dict]) -> dict:
         betas=(0.9, 0.95),
         eps=1e-8,
     )
+
+
+def reference(model_dir: Path, rows: list[dict]) -> dict:
+    """One process, no sharding, one forward/backward per step over all G sequences."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    params = list(model.parameters())
+    opt = adamw(params)
     order = SampleOrder(len(rows), SEED)
     losses, norms = [], []
     for step in range(STEPS):

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
-from test_equivalence import CLIP, COMMON, LR, SEED, STEPS, WD, G, load_rows, pad
+from test_equivalence import CLIP, COMMON, SEED, STEPS, G, adamw, load_rows, pad
 from test_equivalence import reference as fp32_training
 
 from accum_cli.data.batches import SampleOrder
@@ -51,15 +51,7 @@ def bf16_reference(model_dir: Path, rows: list[dict], micro: int | None = None) 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     params = list(model.parameters())
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=LR,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    opt = adamw(params)
     order = SampleOrder(len(rows), SEED)
     losses, norms = [], []
     for step in range(STEPS):
