@@ -106,11 +106,112 @@ def env(threads: int = 1, **extra: str) -> dict[str, str]:
     return e
 
 
-def run_cli(
-    args: list[str], nproc: int = 1, timeout: float = 300, wrapper: bool = False, env_extra: dict | None = None
+# Variables torch, transformers, huggingface_hub (its cache under HOME) or the OpenMP runtime read when imported: a launch that sets one
+# differently from the warm parent (zygote.py) starts a fresh interpreter instead.
+IMPORT_TIME_ENV = (
+    "TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "OMP_", "MKL_", "KMP_", "JE_ARROW", "HOME", "XDG_",
+)  # fmt: skip
+_zygote: dict = {}
+
+
+def _zygote_socket() -> tuple[str, dict[str, str]]:
+    """The warm parent of this test process (started once, on first use): its socket and environment."""
+    if _zygote.get("proc") is not None and _zygote["proc"].poll() is None:
+        return _zygote["socket"], _zygote["env"]
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="accum-zygote-")
+    path = os.path.join(folder, "socket")
+    base = env(JE_ARROW_MALLOC_CONF="background_thread:false")  # no thread alive across its forks
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "zygote.py"), path], cwd=REPO, env=base,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready", "the warm parent did not start"
+    _zygote.update(proc=proc, socket=path, env=base)
+    return path, base
+
+
+def _warm_env_differs(environment: dict[str, str], base: dict[str, str]) -> bool:
+    keys = {k for k in (*environment, *base) if k.startswith(IMPORT_TIME_ENV) and k != "JE_ARROW_MALLOC_CONF"}
+    return any(environment.get(k) != base.get(k) for k in keys)
+
+
+def launch(
+    target: str,
+    argv: list[str],
+    ranks: int = 1,
+    kind: str = "module",
+    timeout: float = 300,
+    environment: dict[str, str] | None = None,
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
-    """accum-train as users start it: `python -m accum_cli` for one process, torchrun for more,
-    or the --nproc wrapper (which passes the workers' exit code through)."""
+    """`python -m target argv` (kind "path": `python target argv`; "code": `python -c target argv`) as
+    `ranks` real processes with torchrun's worker environment, forked from a warm parent (zygote.py);
+    returncode: the first failing rank's code, else 0. A fresh interpreter where the environment
+    sets a variable read at import differently (one rank: the same command; more: torchrun)."""
+    environment = env() if environment is None else environment
+    path, base = _zygote_socket()
+    if _warm_env_differs(environment, base):
+        command = {"module": ["-m", target], "path": [target], "code": ["-c", target]}[kind]
+        if ranks == 1:
+            cmd = [sys.executable, *command, *argv]
+        else:
+            cmd = [str(BIN / "torchrun"), f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
+                   "--master_addr=127.0.0.1", *(["-m", target] if kind == "module" else [target]), *argv]  # fmt: skip
+        return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+    import tempfile
+
+    if ranks > 1:
+        environment = environment | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd),
+                       ranks=ranks, stdout=out, stderr=err)  # fmt: skip
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(path)
+            conn.settimeout(timeout)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            replies = conn.makefile()
+            session = json.loads(replies.readline())["session"]
+            try:
+                codes = json.loads(replies.readline())["codes"]
+            except (TimeoutError, OSError) as exc:
+                os.killpg(session, 9)
+                raise subprocess.TimeoutExpired(target, timeout) from exc
+        stdout, stderr = (Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in (out, err))
+    failed = [c for c in codes if c != 0]
+    return subprocess.CompletedProcess([target, *argv], failed[0] if failed else 0, stdout, stderr)
+
+
+def python(
+    cmd: list[str], cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 300, **how
+) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, *cmd], cwd=, env=, capture_output=True, text=True, timeout=)`
+    through launch(): `-m module ...`, `-c code ...` or `script ...`, one process. `how` may only
+    repeat what launch() does anyway (captured text output, no stdin), or check the exit code."""
+    assert set(how) <= {"capture_output", "text", "stdin", "check"}, f"launch() cannot do {sorted(how)}"
+    if cmd[0] in ("-m", "-c"):
+        target, kind, argv = cmd[1], {"-m": "module", "-c": "code"}[cmd[0]], cmd[2:]
+    else:
+        target, kind, argv = cmd[0], "path", cmd[1:]
+    done = launch(target, argv, kind=kind, timeout=timeout, environment=env, cwd=cwd)
+    if how.get("check"):
+        done.check_returncode()
+    return done
+
+
+def run_cli(
+    args: list[str],
+    nproc: int = 1,
+    timeout: float = 300,
+    wrapper: bool = False,
+    env_extra: dict | None = None,
+    launcher: str = "warm",
+) -> subprocess.CompletedProcess:
+    """accum-train as `python -m accum_cli` runs it, on `nproc` ranks forked from the warm parent
+    (launch()); launcher="torchrun" (or wrapper=True, the --nproc wrapper, which passes the
+    workers' exit code through) starts the real launcher, for tests about launching."""
+    if launcher == "warm" and not wrapper:
+        return launch("accum_cli", args, ranks=nproc, timeout=timeout, environment=env(**(env_extra or {})))
     if wrapper:
         cmd = [sys.executable, "-m", "accum_cli", "--nproc", str(nproc), "--master-port", str(free_port()), *args]
     elif nproc == 1:

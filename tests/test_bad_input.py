@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, save_tiny_model, write_pickled_payload, write_ragged_tokens
+from helpers import REPO, env, python, save_tiny_model, write_pickled_payload, write_ragged_tokens
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -76,8 +76,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
     # A real checkpoint of the tiny model, and broken copies of it.
     run = root / "trained"
-    result = subprocess.run(
-        [sys.executable, "-m", "accum_cli", "--model", str(f["tiny"]), "--dataset", str(root / "tokens.jsonl"),
+    result = python(
+        ["-m", "accum_cli", "--model", str(f["tiny"]), "--dataset", str(root / "tokens.jsonl"),
          "--global-batch", "4", "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(run)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -19,6 +19,7 @@ from helpers import (
     env,
     free_port,
     probe_logits,
+    python,
     read_metrics,
     rel_err,
     run_cli,
@@ -122,7 +123,7 @@ def test_a_rewind_sets_later_checkpoints_aside_and_wrong_folders_are_refused(roo
     assert refused.returncode == 2 and "is a model (a final/ or an export), not a checkpoint" in refused.stderr
 
     shutil.rmtree(out / "final")
-    ok(subprocess.run([sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()",
+    ok(python(["-c", "from accum_cli.cli.main import export_entry; export_entry()",
                        str(out / "checkpoints" / "step-000003"), str(out / "final")],
                       cwd=REPO, env=env(), capture_output=True, text=True, timeout=120))  # fmt: skip
     refused = run_cli(args(root, out, 4, 6, "--resume", str(out / "checkpoints" / "step-000003")))
@@ -209,8 +210,8 @@ def test_sigterm_stops_every_rank_at_a_step_boundary_and_resume_is_exact(root, t
 def test_export_round_trip(uninterrupted, tmp_path):
     out = uninterrupted[2]
     target = tmp_path / "hf"
-    result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()",
+    result = python(
+        ["-c", "from accum_cli.cli.main import export_entry; export_entry()",
          str(out / "checkpoints/step-000006"), str(target)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import BIN, REPO, env, free_port
+from helpers import REPO, env, launch, python
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -65,21 +64,18 @@ def cache(tmp_path_factory):
 def held(cache, tmp_path_factory) -> dict[str, tuple[dict, dict, Path]]:
     """Per model, {case: estimate}, {case: measured row} and its folder. "Measured": bench/measure_peak.py runs
     the same step on real tensors on 2 real gloo ranks under FSDPMemTracker in real mode (the bytes
-    of every live tensor, the largest over the ranks). One torchrun launch measures both models
+    of every live tensor, the largest over the ranks). One 2-rank launch measures both models
     while one child process estimates both: the two overlap."""
     models = {"embedded": EMBEDDED_MODEL_DIR, "llama-30m": llama_30m(tmp_path_factory.mktemp("llama-30m"))}
-    cmd = [
-        str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-        str(REPO / "bench" / "measure_peak.py"), "--model", *map(str, models.values()), "--seq-len", str(SEQ_LEN),
-        "--sync", *SYNCS, "--micro-batch", "1", "4",
+    argv = [
+        "--model", *map(str, models.values()), "--seq-len", str(SEQ_LEN), "--sync", *SYNCS, "--micro-batch", "1", "4",
     ]  # fmt: skip
-    launch = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        measured = pool.submit(launch, str(REPO / "bench" / "measure_peak.py"), argv, ranks=2, kind="path", timeout=600)
         found = estimate.estimate([query(path, sync, m) for path in models.values() for sync, m in CASES])
-        out, err = launch.communicate(timeout=600)
-    finally:
-        launch.kill()
-    assert launch.returncode == 0, err[-3000:]
+        done = measured.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     result = {}
     for i, (name, path) in enumerate(models.items()):
@@ -237,8 +233,8 @@ def test_a_micro_batch_above_a_ranks_share_is_capped_and_says_so(cache):
 
 def test_a_budget_too_small_for_one_sequence_is_refused_in_one_line(cache):
     one = peaks("every", [1])[0]
-    result = subprocess.run(
-        [sys.executable, "-m", "accum_cli", *plan_args("auto", one * 0.9)],
+    result = python(
+        ["-m", "accum_cli", *plan_args("auto", one * 0.9)],
         cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(cache)), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers import BIN, REPO, env, free_port, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import BIN, REPO, env, free_port, python, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -155,7 +155,7 @@ def test_the_wrapper_refuses_bad_launch_flags_before_starting_anything(setup, tm
         (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --master-addr"),
         (["--nproc", "2", "--accelerate-config", ""], "--accelerate-config is empty"),
     ]:
-        result = run([sys.executable, "-m", "accum_cli", *common(setup, out), *flags], timeout=60)
+        result = python(["-m", "accum_cli", *common(setup, out), *flags], timeout=60)  # refused in the parent
         assert result.returncode == 2, (flags, result.stdout + result.stderr)
         assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr, result.stderr
         assert not out.exists()

@@ -4,11 +4,10 @@ the last backward, in the same order on every rank, with bounded extra memory.""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from helpers import BIN, REPO, env, free_port
+from helpers import REPO, launch
 from torch import nn
 
 from accum_cli.parallel import reduce
@@ -104,9 +103,7 @@ def test_a_gradient_accumulated_twice_in_the_last_backward_is_refused_not_half_s
 @pytest.mark.distributed
 def test_two_gloo_ranks_sum_exactly_and_launch_the_same_buckets_in_order_during_backward(tmp_path):
     out = tmp_path / "reduce.json"
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-           str(REPO / "tests/reduce_probe.py"), str(out)]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    result = launch(str(REPO / "tests/reduce_probe.py"), [str(out)], ranks=2, kind="path", timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads(out.with_name(f"reduce.json.{r}").read_text()) for r in range(2)]
     for rank in ranks:
@@ -140,9 +137,7 @@ def test_sharded_ranks_that_use_different_parameters_train_as_one_process(tmp_pa
     In the second step a placeholder microbatch (first on one rank, last on the other) reaches the
     expert no real token of that step reached: no use of it, in either layout (`replicate`)."""
     out = tmp_path / "shard.json"
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-           str(REPO / "tests/shard_probe.py"), str(out), sync, precision]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    result = launch(str(REPO / "tests/shard_probe.py"), [str(out), sync, precision], ranks=2, kind="path", timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         probe = json.loads(out.with_name(f"shard.json.{rank}").read_text())

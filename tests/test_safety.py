@@ -2,11 +2,9 @@
 that try to run code are attacked for real in test_trust.py.)"""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, env, save_tiny_model
+from helpers import REPO, env, python, save_tiny_model
 
 
 def plant_code(model, sentinel, model_type: str) -> None:
@@ -28,8 +26,8 @@ def test_code_shipped_with_a_model_never_runs_unasked(tmp_path, model_type, code
     model = save_tiny_model(tmp_path / "model")
     sentinel = tmp_path / "remote-code-ran"
     plant_code(model, sentinel, model_type)
-    result = subprocess.run(
-        [sys.executable, "-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
+    result = python(
+        ["-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
          "--micro-batch", "8", "--output-dir", str(tmp_path / "out")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -48,8 +46,8 @@ def test_a_tokenizer_that_ships_code_is_refused_by_name_not_dropped_unsaid(tmp_p
     config = json.loads((model / "tokenizer_config.json").read_text())
     config |= {"tokenizer_class": "MyTokenizer", "auto_map": {"AutoTokenizer": ["my_tokenizer.MyTokenizer", None]}}
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    result = subprocess.run(
-        [sys.executable, "-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
+    result = python(
+        ["-m", "accum_cli", "--model", str(model), "--max-steps", "1", "--global-batch", "8",
          "--micro-batch", "8", "--output-dir", str(tmp_path / "out")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip

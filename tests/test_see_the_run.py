@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import REPO, env, python, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -107,7 +107,7 @@ print(json.dumps(sorted(runs, key=lambda run: run[1])))
 def trackio_runs(folder: Path, project: str = "accum-train") -> list[tuple[str, list[dict]]]:
     """Every run of a local trackio project, oldest first: (name, logs), read by trackio's own storage
     class (in a subprocess: trackio reads TRACKIO_DIR once, on import)."""
-    result = subprocess.run([sys.executable, "-c", TRACKIO_READER, project], env=env(TRACKIO_DIR=str(folder)),
+    result = python(["-c", TRACKIO_READER, project], env=env(TRACKIO_DIR=str(folder)),
                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     return [(name, logs) for name, _, logs in json.loads(result.stdout)]
 
@@ -306,21 +306,21 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
     assert sum(1 for count in picture.histogram() if count) > 20, "not a blank picture"
 
     compared = tmp_path / "compare.png"
-    result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
+    result = python(
+        ["-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
          "--compare", str(runs[1]), "--out", str(compared)],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert Image.open(compared).size == picture.size
-    missing = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(tmp_path / "nothing")],
+    missing = python(
+        ["-c", "from accum_cli.cli.report import entry; entry()", str(tmp_path / "nothing")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2 and "has no metrics.jsonl" in missing.stderr
 
     # --out: the format its suffix names, written whole or not at all, in the current folder too.
-    svg = subprocess.run([sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]), "--out",
+    svg = python(["-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]), "--out",
                           "picture.svg"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert svg.returncode == 0, svg.stderr
     assert b"<svg" in (tmp_path / "picture.svg").read_bytes()[:1000]
@@ -329,7 +329,7 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
                          ("notes.txt", "--out notes.txt: name a .png, .svg, .pdf file"),
                          ("picture.svg/r.png", "cannot write picture.svg/r.png (")):  # under a file  # fmt: skip
         before = sorted(p.name for p in tmp_path.rglob("*"))
-        bad = subprocess.run([sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
+        bad = python(["-c", "from accum_cli.cli.report import entry; entry()", str(runs[0]),
                               "--out", out], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
         assert bad.returncode == 2 and bad.stderr.startswith(f"accum-report: error: {message}"), bad.stderr
         assert len(bad.stderr.splitlines()) == 1 and sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -9,11 +9,10 @@ expected collectives come from `policy.collectives`, the function `--plan` print
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import BIN, REPO, env, free_port, save_tiny_model
+from helpers import REPO, launch, save_tiny_model
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -32,9 +31,8 @@ def on_four_ranks(case: str) -> str:
 
 
 def probe(model: Path, out: Path, world: int, replicas: int, cases: list[str]) -> dict[str, dict]:
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={world}", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", str(REPO / "tests/sync_probe.py"), str(model), str(out), str(replicas), *cases]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    argv = [str(model), str(out), str(replicas), *cases]
+    result = launch(str(REPO / "tests/sync_probe.py"), argv, ranks=world, kind="path", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return dict(zip(cases, json.loads(out.read_text()), strict=True))
 

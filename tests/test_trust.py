@@ -28,6 +28,7 @@ from helpers import (
     Payload,
     env,
     free_port,
+    python,
     read_metrics,
     run_cli,
     save_tiny_model,
@@ -272,8 +273,8 @@ def test_a_payload_in_dcp_metadata_never_runs_on_export(trained, tmp_path):
     sentinel = tmp_path / SENTINEL_NAME
     (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(sentinel)))
     rewrite_record(ckpt, ".metadata")
-    result = subprocess.run(
-        [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt),
+    result = python(
+        ["-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt),
          str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
@@ -312,7 +313,7 @@ def test_a_sigterm_during_an_export_leaves_nothing_half_written(trained, tmp_pat
         "export.stamp_dtype = stopped\nfrom accum_cli.cli.main import export_entry; export_entry()"
     )
     ckpt = trained / "checkpoints" / "step-000002"
-    result = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "hf")], cwd=REPO, env=env(),
+    result = python(["-c", code, str(ckpt), str(tmp_path / "hf")], cwd=REPO, env=env(),
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 128 + signal.SIGTERM, result.stdout + result.stderr
     assert "stopped by SIGTERM; nothing was written to" in one_error_line(result.stderr, "accum-export")
@@ -672,12 +673,12 @@ def test_a_full_disk_at_the_final_save_is_one_line_whose_advice_works(root, tiny
     from accum_cli.rundir.checkpoint_meta import read_meta
 
     ckpt = read_meta(out / "checkpoints" / "step-000001").path
-    export = [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt)]
-    full = subprocess.run([*export, str(tiny_disk / "hf")], cwd=REPO, env=env(), capture_output=True, text=True)
+    export = ["-c", "from accum_cli.cli.main import export_entry; export_entry()", str(ckpt)]
+    full = python([*export, str(tiny_disk / "hf")])
     assert full.returncode == 2, full.stdout + full.stderr
     assert "export to" in one_error_line(full.stderr, "accum-export") and "No space left on device" in full.stderr
     assert not (tiny_disk / "hf").exists() and not (tiny_disk / ".tmp-hf").exists()
-    ok(subprocess.run([*export, str(tmp_path / "hf")], cwd=REPO, env=env(), capture_output=True, text=True))
+    ok(python([*export, str(tmp_path / "hf")]))
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 

@@ -4,12 +4,10 @@ exit 2, before anything is written (the same command works once the cause is gon
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, save_tiny_model
+from helpers import REPO, env, python, save_tiny_model
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -62,7 +60,7 @@ def test_a_metrics_line_nested_too_deep_is_not_json_to_every_reader(tmp_path):
     folder.mkdir()
     lines = ['{"step": 1, "loss": 2.0}', DEEP, '{"step": 2, "loss": 1.5}']
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    done = subprocess.run([sys.executable, "-c", "from accum_cli.cli.report import entry; entry()", str(folder)],
+    done = python(["-c", "from accum_cli.cli.report import entry; entry()", str(folder)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == f"accum-report: error: {folder / 'metrics.jsonl'} line 2 is not JSON; is it a " \
@@ -82,7 +80,7 @@ def test_a_model_whose_weights_cannot_fit_is_refused_before_it_is_built(tmp_path
                 num_key_value_heads=2).save_pretrained(model)  # fmt: skip
     ByT5Tokenizer().save_pretrained(model)
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "accum_cli", "--model", str(model), "--global-batch", "4",
+    done = python(["-m", "accum_cli", "--model", str(model), "--global-batch", "4",
                            "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(out)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -150,7 +148,7 @@ def test_a_replicated_micro_batch_auto_refusal_is_one_line_without_torchs_warnin
     """The replicated layout is estimated in this process, where torch's trackers warned ("The module
     hierarchy tracking maybe be messed up") above the refusal; stderr holds the one line alone."""
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "accum_cli", "--micro-batch", "auto", "--layout", "replicate",
+    done = python(["-m", "accum_cli", "--micro-batch", "auto", "--layout", "replicate",
                            "--device-memory-gib", "0.03", "--global-batch", "8", "--max-steps", "1",
                            "--output-dir", str(out)],
                           cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(tmp_path / "cache")), capture_output=True, text=True,

@@ -6,10 +6,9 @@ cases: vocabulary 384, at most 240 rows a microbatch over two ranks)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from helpers import BIN, REPO, env, free_port, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import REPO, launch, run_cli, save_tiny_model, write_ragged_tokens
 
 
 @pytest.mark.distributed
@@ -21,9 +20,7 @@ def test_vocabulary_parallel_edges_train_as_one_process_and_are_not_gathered(tmp
     the vocabulary (gathered through FSDP: both ways in one step, in either order), several chunks of
     the loss a microbatch, and an evaluation's forward, whose gathered head a step frees first."""
     out = tmp_path / "vocab.json"
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-           str(REPO / "tests/vocab_probe.py"), str(out), sync]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    result = launch(str(REPO / "tests/vocab_probe.py"), [str(out), sync], ranks=2, kind="path", timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         probe = json.loads(out.with_name(f"vocab.json.{rank}").read_text())

@@ -1,0 +1,154 @@
+"""A warm parent for the suite's launches: real processes without paying the imports each time.
+
+Starting `python -m accum_cli` costs ~8 s of imports (torch, transformers' model classes, datasets,
+matplotlib) before a tiny test run's ~1 s of work, and a 2-rank torchrun launch pays it twice more.
+This server imports all of that once, with no thread started, and forks a fresh process per rank
+for each request: each rank is a real OS process with its own interpreter state, its own gloo
+process group on a real TCP store, the environment torchrun gives its workers (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT, ...) and `python -m`'s entry (runpy, `__main__`). A rank that fails
+ends the rest, as torchrun does. What it does not reproduce is a launcher: tests about torchrun,
+`accelerate launch` or the `--nproc` wrapper, about signals to a launcher, or needing a variable that
+torch or transformers read at import (helpers.IMPORT_TIME_ENV) start the real thing instead.
+
+Protocol (one request per connection on a Unix socket): the client sends one JSON line
+{target, kind: module|path|code, argv, env, cwd, ranks, stdout, stderr}; a session process (its own
+process group, so a client timing out kills it and its ranks with one killpg) answers
+{"session": pid} at once and {"codes": [...]} when every rank has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL for the survivors of a failed rank
+
+
+def preload() -> None:
+    import datasets  # noqa: F401  (pyarrow; its allocator's thread is off: JE_ARROW_MALLOC_CONF)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import accum_cli.cli.main  # noqa: F401
+    import accum_cli.run.train  # noqa: F401
+
+
+def run_rank(request: dict, rank: int) -> None:
+    """In the forked rank: become the process `python -m target argv` would have been, then exit."""
+    code = 1
+    try:
+        ranks = request["ranks"]
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if ranks > 1:
+            os.environ.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(ranks),
+                LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks), TORCHELASTIC_RESTART_COUNT="0",
+            )  # fmt: skip
+        os.chdir(request["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+        import runpy
+
+        target, kind = request["target"], request["kind"]
+        if kind == "module":
+            sys.argv = [target, *request["argv"]]
+            sys.path[0] = request["cwd"]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif kind == "path":
+            sys.argv = [target, *request["argv"]]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+        else:  # python -c
+            sys.argv = ["-c", *request["argv"]]
+            sys.path[0] = ""
+            exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def session(conn: socket.socket, request: dict) -> None:
+    """Fork the ranks, wait for them (ending the rest when one fails), report their exit codes."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    conn.sendall((json.dumps({"session": os.getpid()}) + "\n").encode())
+    pids = {}
+    for rank in range(request["ranks"]):
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run_rank(request, rank)
+        pids[pid] = rank
+    codes: list[int | None] = [None] * len(pids)
+    deadline = None
+    while None in codes:
+        if deadline is not None and time.monotonic() > deadline:
+            for pid, rank in pids.items():
+                if codes[rank] is None:
+                    os.kill(pid, signal.SIGKILL)
+            deadline = None
+        pid, status = os.waitpid(-1, os.WNOHANG) if deadline is not None else os.waitpid(-1, 0)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+        if codes[pids[pid]] != 0 and deadline is None and None in codes:
+            for other, rank in pids.items():
+                if codes[rank] is None:
+                    os.kill(other, signal.SIGTERM)
+            deadline = time.monotonic() + GRACE_S
+    conn.sendall((json.dumps({"codes": codes}) + "\n").encode())
+    os._exit(0)
+
+
+def serve(path: str) -> None:
+    preload()
+    parent = os.getppid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # sessions are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+    server.settimeout(1.0)
+    print("ready", flush=True)
+    while os.getppid() == parent:  # the test worker that started it is gone: so is it
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        request = json.loads(conn.makefile().readline())
+        if os.fork() == 0:
+            server.close()
+            session(conn, request)
+        conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
