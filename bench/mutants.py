@@ -581,7 +581,7 @@ MUTANTS = [
     Mutant("report: --out's suffix ignored (PNG bytes in a .svg)", "accum_cli/rundir/report.py",
            "format=out.suffix[1:].lower()", 'format="png"', ("tests/test_see_the_run.py", "-k", "report_png")),
     Mutant("train: the warmup note missing from a run shorter than its warmup", "accum_cli/run/header.py",
-           "    if cfg.warmup_steps > total_steps:", "    if cfg.warmup_steps > 10 * total_steps:",
+           "    if warmup > total_steps:", "    if warmup > 10 * total_steps:",
            ("tests/test_see_the_run.py", "-k", "report_png")),
     Mutant("launcher: torch's 30 s shutdown timeout kept", "accum_cli/cli/launcher.py",
            "    os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(WORKER_STOP_GRACE_S))", "    pass",
@@ -848,6 +848,16 @@ MUTANTS = [
     Mutant("folders: a cache's ids outside the vocabulary reach the model", "accum_cli/data/cache.py",
            "    if vocab_size is None:  # unknown", "    if True:  # unknown",
            ("tests/test_trust_folders.py", "-k", "edited_data_cache and ids")),
+    # --- the first hour with your own model (issue 38) ---------------------------------------
+    Mutant("formats: a tokenizer that makes no tokens of the text is let through", "accum_cli/data/formats.py",
+           "    if texts and not any(tokenizer(texts, add_special_tokens=False)[\"input_ids\"]):",
+           "    if False:", ("tests/test_first_hour.py", "-k", "no_tokens")),
+    Mutant("formats: the loss tokens --seq-len cuts are not counted", "accum_cli/data/formats.py",
+           "        cut = [sum(label != IGNORE_INDEX for label in row[options.seq_len :]) for row in labels]",
+           "        cut = [0] * len(ids)", ("tests/test_first_hour.py", "-k", "truncation")),
+    Mutant("settings: --warmup-ratio ignored", "accum_cli/config/settings.py",
+           "            return math.ceil(self.warmup_ratio * total_steps)", "            return DEFAULT_WARMUP_STEPS",
+           ("tests/test_first_hour.py", "-k", "warmup_ratio")),
 ]  # fmt: skip
 
 

@@ -15,7 +15,18 @@ import sys
 import time
 
 import pytest
-from helpers import BIN, REPO, env, free_port, python, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import (
+    BIN,
+    REPO,
+    env,
+    free_port,
+    python,
+    read_metrics,
+    rel_err,
+    run_cli,
+    save_tiny_model,
+    write_ragged_tokens,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -280,3 +291,25 @@ def test_an_accelerate_config_under_home_written_with_an_equals_sign_is_found(tm
     shutil.copy(REPO / "recipes" / "accelerate" / "cpu-2proc.yaml", tmp_path / "cpu.yaml")
     launch = Launch(None, 1, 0, None, None, "~/cpu.yaml").validate()
     assert launch.accelerate_config == str(tmp_path / "cpu.yaml") and launch.world_size == 2
+
+
+def test_the_wrapper_gives_each_rank_its_share_of_the_cores_unless_omp_num_threads_is_set(setup, tmp_path):
+    """Without OMP_NUM_THREADS each rank would take every core and the ranks fight over them: the wrapper sets
+    the cores (the affinity mask's) divided by the local ranks, at least 1, as torchrun sets 1, and the header
+    says so; a value the user set is kept."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    unset = env()
+    unset.pop("OMP_NUM_THREADS")
+    for name, environment, line in (
+        ("unset", unset, f"threads           {max(1, cores // 2)} per rank (--nproc: {cores} cores / 2 ranks here; "),
+        ("set", env(threads=2), "threads           2 per rank (OMP_NUM_THREADS)"),  # not the share of the cores
+    ):
+        out = tmp_path / name
+        command = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()),
+                   "--model", str(setup / "model"), "--dataset", str(setup / "data.jsonl"), "--global-batch", "4",
+                   "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(out)]  # fmt: skip
+        result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert line in result.stdout, result.stdout

@@ -348,3 +348,26 @@ def test_a_metrics_file_with_bytes_that_are_not_utf8_is_read_to_its_last_good_li
     (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe not json\n" + good)
     with pytest.raises(UserError, match="line 1 is not JSON"):
         report.read_run(tmp_path)
+
+
+def test_accum_report_compares_several_runs_each_in_one_colour_in_every_panel(root, tmp_path):
+    """`--compare A B` takes several folders, and a run's eval series takes no colour of its own: each run is
+    drawn in one colour, its place in the list, in every panel (read back from the SVG's strokes)."""
+    import re
+    import shutil
+
+    first = tmp_path / "a"
+    result = run_cli(args(root, first, 4, "--eval-split-ratio", "0.25", "--eval-every", "2"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert any("eval_loss" in record for record in read_metrics(first))
+    for name in ("b", "c"):  # the same run's files under other names: three runs, each with an eval series
+        (tmp_path / name).mkdir()
+        for file in ("metrics.jsonl", "config.json"):
+            shutil.copy(first / file, tmp_path / name / file)
+    picture = tmp_path / "compare.svg"
+    result = python(["-c", "from accum_cli.cli.report import entry; entry()", str(first), "--compare",
+                     str(tmp_path / "b"), str(tmp_path / "c"), "--out", str(picture)], env=env())  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    tab10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]  # matplotlib's C0, C1, ...
+    used = {colour for colour in re.findall(r"stroke: (#[0-9a-f]{6})", picture.read_text()) if colour in tab10}
+    assert used == set(tab10[:3]), f"three runs, three colours: {sorted(used)}"

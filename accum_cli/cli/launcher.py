@@ -162,6 +162,12 @@ def run(launch: Launch, mixed_precision: str | None, forwarded: list[str], outpu
     if not torch.cuda.is_available():
         os.environ["ACCELERATE_USE_CPU"] = "1"
     os.environ[WRAPPED] = "1"
+    if "OMP_NUM_THREADS" not in os.environ:  # yours, if you set one; else a share of the cores each, as torchrun
+        from accum_cli.parallel.runtime import WRAPPER_THREADS, available_cores, threads_per_rank
+
+        local_ranks = launch.nproc or max(1, (launch.config_processes or 1) // launch.nnodes)
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(local_ranks))
+        os.environ[WRAPPER_THREADS] = f"{available_cores()}/{local_ranks}"
     os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(WORKER_STOP_GRACE_S))  # yours, if you set one
     # The workers report their own failures in one line; the agent's log lines would bury it.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -28,6 +29,19 @@ def main(
     print(f"report {written}")
 
 
+def several_after_compare(args: list[str]) -> list[str]:
+    """`--compare A B C` as Typer reads it, `--compare A --compare B --compare C`: an option of click
+    takes one value per use, and the folders after the first would be extra arguments."""
+    spread, taking = [], False
+    for arg in args:
+        if taking and not arg.startswith("-"):
+            spread += [arg] if spread[-1] == "--compare" else ["--compare", arg]
+            continue
+        taking = arg == "--compare" or arg.startswith("--compare=")
+        spread.append(arg)
+    return spread
+
+
 def entry() -> None:
     """Console script `accum-report`."""
     from accum_cli.cli.main import OneLineErrors, fail
@@ -41,7 +55,8 @@ def entry() -> None:
     def command(
         run: Annotated[Path, typer.Argument(help="A run's --output-dir (it may still be training).")],
         compare: Annotated[
-            Optional[list[Path]], typer.Option(help="Another run's output dir to overlay (repeatable).")
+            Optional[list[Path]],
+            typer.Option(help="Other runs' output dirs to overlay: --compare A B C (each keeps one colour)."),
         ] = None,
         out: Annotated[
             Optional[Path],
@@ -54,4 +69,4 @@ def entry() -> None:
         except UserError as exc:
             fail(str(exc), prog=ReportErrors.prog)
 
-    app(prog_name="accum-report")
+    app(args=several_after_compare(sys.argv[1:]), prog_name="accum-report")

@@ -44,6 +44,7 @@ MAX_GLOBAL_BATCH = 2**40  # far past any real step; the plan's arithmetic (--str
 # smallest normal number), tests/test_trust_weights.py checks them against torch.
 FP32_MAX = (2 - 2**-23) * 2.0**127
 FP32_TINY = 2.0**-126
+DEFAULT_WARMUP_STEPS = 5  # --warmup-steps and --warmup-ratio unset
 
 # --help panels, in the order they are shown.
 MODEL_DATA = "Model & data"
@@ -133,7 +134,21 @@ class TrainConfig:
     # Optimisation
     lr: float | None = option(None, "Peak learning rate.", OPTIMISATION, gt=0,
                               none_means="2e-5 for pretrained weights, 1e-3 for a model built from its config")  # fmt: skip
-    warmup_steps: int = option(5, "Linear warmup steps (from lr/warmup_steps to lr).", OPTIMISATION, ge=0)
+    warmup_steps: int | None = option(
+        None,
+        "Linear warmup steps (from lr/warmup_steps to lr).",
+        OPTIMISATION,
+        none_means=f"{DEFAULT_WARMUP_STEPS}, or --warmup-ratio",
+        ge=0,
+    )
+    warmup_ratio: float | None = option(
+        None,
+        "Linear warmup as a share of the run's optimizer steps (rounded up).",
+        OPTIMISATION,
+        none_means="--warmup-steps",
+        ge=0,
+        lt=1,
+    )
     lr_schedule: str = option("cosine", "cosine (decays to --min-lr-ratio x lr at the last step) or constant.",
                               OPTIMISATION, choices=LR_SCHEDULES)  # fmt: skip
     min_lr_ratio: float = option(0.1, "Final learning rate of the cosine schedule, as a share of lr.", OPTIMISATION,
@@ -222,6 +237,8 @@ class TrainConfig:
                 problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")
         if isinstance(self.micro_batch, str) and self.micro_batch != "auto":
             problems.append(f"--micro-batch must be a positive integer or auto, got {recipe.quote(self.micro_batch)}")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            problems.append("--warmup-steps and --warmup-ratio both given; pick one")
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
         if self.streaming and self.max_steps is None:
@@ -233,6 +250,13 @@ class TrainConfig:
         if problems:
             raise UserError("; ".join(problems))
         return self
+
+    def warmup_for(self, total_steps: int) -> int:
+        """The warmup in optimizer steps of a run of `total_steps`: --warmup-ratio rounds up, as
+        transformers' Trainer does, so a ratio above 0 warms up for at least one step."""
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * total_steps)
+        return DEFAULT_WARMUP_STEPS if self.warmup_steps is None else self.warmup_steps
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -213,7 +213,10 @@ def umask_now() -> int:
     return mask
 
 
-PREP_VERSION = 3  # 3: block digests in meta.json
+PREP_VERSION = 4  # 3: block digests in meta.json; 4: stats of what --seq-len cut (earlier entries lack them)
+# A warning above this share of the loss tokens cut by --seq-len: truncation takes the ends of the answers, the EOS
+# that teaches the model to stop among them, so a quarter gone already changes what the model learns to say.
+TRUNCATION_WARN_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +230,8 @@ class Stats:
     truncated: int  # documents cut at seq_len
     longest: int = 0  # tokens in the longest sample
     stored_bytes: int = 0  # the prepared files, all together
+    cut_loss_tokens: int = 0  # positions that counted in the loss, cut away by --seq-len
+    longest_document: int = 0  # tokens in the longest row before --seq-len cut it
 
     def describe(self, global_batch: int) -> list[str]:
         steps = self.samples // global_batch
@@ -241,5 +246,15 @@ class Stats:
                 f"stored            {self.stored_bytes / max(self.tokens, 1):.2f} bytes per token, memory-mapped"
             )
         if self.truncated:
-            lines.append(f"truncated         {self.truncated:,} documents longer than --seq-len")
+            before = self.loss_tokens + self.cut_loss_tokens
+            share = self.cut_loss_tokens / max(before, 1)
+            lines.append(
+                f"truncated         {self.truncated:,} documents longer than --seq-len: {share:.0%} of the loss "
+                f"tokens cut away ({self.cut_loss_tokens:,} of {before:,})"
+            )
+            if share > TRUNCATION_WARN_SHARE:
+                lines.append(
+                    f"warning           --seq-len cuts away {share:.0%} of what the loss counts, the ends of answers "
+                    f"first; raise --seq-len (the longest row holds {self.longest_document:,} tokens)"
+                )
         return lines

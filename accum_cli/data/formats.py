@@ -46,7 +46,41 @@ def check(raw, tokenizer, options: Options) -> str:
     rows = as_rows(raw)
     if rows.num_rows == 0:
         raise UserError("the dataset is empty; pass a dataset with at least one row")
-    return check_columns(rows.columns, rows.features, tokenizer, options)
+    fmt = check_columns(rows.columns, rows.features, tokenizer, options)
+    if fmt != "tokens":
+        columns = [c for c in ("messages", "prompt", "completion", options.text_column) if c in rows.columns]
+        try:
+            first = next(rows.tables(columns, SAMPLE_ROWS), None)
+        except Exception:  # a row that cannot be read: the preparation names it, by its index
+            first = None
+        if first is not None:
+            check_tokenizer(tokenizer, sample_texts(first.slice(0, SAMPLE_ROWS).to_pydict(), fmt, options.text_column))
+    return fmt
+
+
+SAMPLE_ROWS = 8  # the rows whose text the tokenizer is tried on before any work
+
+
+def sample_texts(batch: dict, fmt: str, text_column: str) -> list[str]:
+    """The text of some rows (column -> values) that the format tokenises: chat turns' contents included."""
+    if fmt == "chat":
+        turns = [_turn(t) for messages in batch["messages"] if isinstance(messages, list) for t in messages]
+        values = [t.get("content") for t in turns if isinstance(t, dict)]
+    else:
+        names = [text_column] if fmt == "text" else ["prompt", "completion"]
+        values = [value for name in names for value in batch[name]]
+    return [v for v in values if isinstance(v, str) and v.strip()]
+
+
+def check_tokenizer(tokenizer, texts: list[str]) -> None:
+    """A tokenizer that makes no tokens of the data's text is refused: every row would be empty, and the run would
+    end blaming the labels. A model folder holding another model's tokenizer files loads so (transformers builds an
+    empty tokenizer of the config's class)."""
+    if texts and not any(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+        raise UserError(
+            f"the tokenizer ({type(tokenizer).__name__}, vocabulary {len(tokenizer):,}) turns the dataset's text "
+            "into no tokens; put the tokenizer files that belong to the model in the --model folder"
+        )
 
 
 def check_columns(columns: list[str], features, tokenizer, options: Options) -> str:
@@ -206,15 +240,18 @@ def row_error(row: int, problem: str, fix: str = "fix or remove that row") -> Us
 
 
 def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_row: int = 0):
-    """Raw rows -> token ids and labels per row, truncated to seq_len unless they will be packed."""
+    """Raw rows -> token ids and labels per row, truncated to seq_len unless they will be packed; what the truncation
+    cut (which rows, the loss tokens past seq_len) and each row's length before it."""
     try:
         ids, labels = BUILDERS[fmt](batch, tokenizer, options)
     except BadRow as exc:
         raise row_error(first_row + exc.index, exc.problem) from None
     labels = ids if labels is None else labels
-    truncated = [False] * len(ids)
+    truncated, cut, lengths = [False] * len(ids), [0] * len(ids), [len(row) for row in ids]
     if not packed and (fmt != "tokens" or options.packing is False):
-        truncated = [len(row) > options.seq_len for row in ids]
+        truncated = [length > options.seq_len for length in lengths]
+        # the positions past seq_len that counted in the loss: what the truncation takes from the training
+        cut = [sum(label != IGNORE_INDEX for label in row[options.seq_len :]) for row in labels]
         ids = [row[: options.seq_len] for row in ids]
         labels = [row[: options.seq_len] for row in labels]
-    return {"input_ids": ids, "labels": labels, "truncated": truncated}
+    return {"input_ids": ids, "labels": labels, "truncated": truncated, "cut_loss_tokens": cut, "lengths": lengths}

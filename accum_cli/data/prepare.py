@@ -98,7 +98,7 @@ def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
     else:
         loss_tokens = total - len(rows)
     return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, n_rows, sum(built["truncated"]),
-                 loss_tokens)  # fmt: skip
+                 loss_tokens, sum(built["cut_loss_tokens"]), max(built["lengths"], default=0))  # fmt: skip
 
 
 def _flat(rows: list[list[int]], where: list[int], start: int, name: str) -> np.ndarray:
@@ -231,7 +231,8 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
                 bar.set_postfix_str(f"{writer.n_tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tokens/s", False)
         meta = writer.finish()
         stats = Stats(fmt, writer.documents, meta["samples"], meta["tokens"], writer.loss_tokens, packed,
-                      writer.truncated, writer.longest, sum(meta["files"].values()))  # fmt: skip
+                      writer.truncated, writer.longest, sum(meta["files"].values()), writer.cut_loss_tokens,
+                      writer.longest_document)  # fmt: skip
         check_trainable(stats, options)
         (work / "meta.json").write_text(json.dumps(meta | {"key": key, "stats": asdict(stats)}))
         publish(work, root / key)
@@ -249,6 +250,12 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
 def check_trainable(stats: Stats, options: Options) -> None:
     if stats.samples == 0 and stats.packed:
         raise UserError(f"the dataset holds fewer than --seq-len {options.seq_len} tokens; lower --seq-len or add data")
+    if stats.loss_tokens == 0 and stats.cut_loss_tokens:
+        raise UserError(
+            f"no position of the dataset counts in the loss once --seq-len {options.seq_len} cuts the rows: every "
+            f"counted position lies past it (the longest row holds {stats.longest_document:,} tokens); raise "
+            "--seq-len, or --train-on-prompt for chat and prompt-completion data"
+        )
     if stats.loss_tokens == 0:
         raise UserError(
             "no position of the dataset counts in the loss (every label is -100, or the rows are empty or one "

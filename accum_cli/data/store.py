@@ -61,6 +61,8 @@ class Chunk:
     documents: int
     truncated: int
     loss_tokens: int  # in unpacked rows (each row's first position predicts nothing)
+    cut_loss_tokens: int  # positions that counted in the loss past seq_len, cut away with them
+    longest_document: int  # tokens in the longest row, before seq_len cut it
 
 
 class Writer:
@@ -81,6 +83,8 @@ class Writer:
         self.truncated = 0
         self.loss_tokens = 0
         self.longest = 0
+        self.cut_loss_tokens = 0
+        self.longest_document = 0
 
     def _open(self, name: str):
         return self._files.enter_context(open(self.folder / name, "wb"))
@@ -107,6 +111,8 @@ class Writer:
         self.documents += chunk.documents
         self.truncated += chunk.truncated
         self.loss_tokens += chunk.loss_tokens
+        self.cut_loss_tokens += chunk.cut_loss_tokens
+        self.longest_document = max(self.longest_document, chunk.longest_document)
         if len(chunk.lengths):
             self.longest = max(self.longest, int(chunk.lengths.max()))
 

@@ -68,6 +68,9 @@ def open_source(raw, name: str, tokenizer, options: formats.Options, seed: int, 
         raise UserError("the dataset is empty; pass a dataset with at least one row")
     columns = raw.column_names or list(first)
     fmt = formats.check_columns(columns, raw.features, tokenizer, options)
+    if fmt != "tokens" and isinstance(first, dict):
+        texts = formats.sample_texts({name: [value] for name, value in first.items()}, fmt, options.text_column)
+        formats.check_tokenizer(tokenizer, texts)
     packed = options.packing if options.packing is not None else fmt == "text"
     job = prepare.Job(tokenizer, options, fmt, packed, prepare.has_mask(fmt, columns, options))
     return Source(raw, name, job, seed, shuffle_buffer, max_positions)

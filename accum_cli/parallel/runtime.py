@@ -17,6 +17,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# Set by the --nproc wrapper (cli/launcher.py) for its workers where it chose OMP_NUM_THREADS itself, to
+# "CORES/RANKS" (what it divided), so the header can say who chose the thread count and how.
+WRAPPER_THREADS = "ACCUM_TRAIN_WRAPPER_THREADS"
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask (a batch system's share), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """Each of `local_ranks` processes on one machine gets its share of the cores, at least one: a rank
+    taking every core (OpenMP's default) makes the ranks fight over them (several times slower)."""
+    return max(1, available_cores() // max(1, local_ranks))
+
+
+def describe_threads() -> str:
+    """Where this rank's thread count comes from, for the header."""
+    threads = f"threads           {torch.get_num_threads()} per rank"
+    chosen = os.environ.get(WRAPPER_THREADS)
+    if chosen is not None:
+        cores, ranks = chosen.split("/")
+        return f"{threads} (--nproc: {cores} cores / {ranks} ranks here; set OMP_NUM_THREADS to choose)"
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{threads} (OMP_NUM_THREADS)"
+    return threads
+
+
 # The memory estimate (memory/measure.py) runs the run's own step on fake tensors (shapes, no
 # values) over a fake process group. There the training code leaves out what needs values that a
 # fake world does not have: it reads no flags or counts back from a collective, runs no agreement

@@ -7,6 +7,7 @@ import dataclasses
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
 from accum_cli.model import load as modeling
+from accum_cli.parallel import runtime
 from accum_cli.run.setup import Setup
 from accum_cli.rundir import checkpoint_meta
 
@@ -54,13 +55,21 @@ def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
 
 def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> list[str]:
     origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
-    lines = [f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_steps} warmup steps"]
-    if cfg.warmup_steps > total_steps:  # the run ends inside the warmup: the peak is never reached
+    warmup = cfg.warmup_for(total_steps)
+    ratio = f" (--warmup-ratio {cfg.warmup_ratio:g})" if cfg.warmup_ratio is not None else ""
+    lines = [f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {warmup} warmup steps{ratio}"]
+    if warmup > total_steps:  # the run ends inside the warmup: the peak is never reached
         lines.append(
             f"note              the warmup is longer than the run's {total_steps} steps: the learning rate rises"
-            f" to {cfg.lr * total_steps / cfg.warmup_steps:.3g} only; --warmup-steps {total_steps} reaches {cfg.lr:g}"
+            f" to {cfg.lr * total_steps / warmup:.3g} only; --warmup-steps {total_steps} reaches {cfg.lr:g}"
         )
     return lines
+
+
+def describe_tokenizer(tokenizer) -> str:
+    if tokenizer is None:
+        return "tokenizer         none (the data is pre-tokenised)"
+    return f"tokenizer         {type(tokenizer).__name__}, vocabulary {len(tokenizer):,}"
 
 
 def stream_position(s: Setup) -> str:
@@ -84,12 +93,14 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
+        describe_tokenizer(s.tokenizer),
         *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
         f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),
         *describe_lr(cfg, lr_given, s.source.has_weights, s.total_steps),
         f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}",
+        runtime.describe_threads(),
         f"layout            {s.layout.layout} ({s.layout.reason})",
         f"sharding          {s.settings.describe()}",
         f"micro batch       {s.plan.micro_batch} ({s.micro_reason})",

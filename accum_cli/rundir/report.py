@@ -76,14 +76,17 @@ def draw(runs: list[Path], out: Path) -> Path:
     loaded = [(folder, *read_run(folder)) for folder in runs]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
     for ax, (key, label) in zip(axes.flat, PANELS, strict=False):
-        for folder, records, _ in loaded:
+        # A run's colour is its place in the list, not the panel's next one: the eval series (the loss panel
+        # only) would otherwise shift every later run to another colour there than in the other panels.
+        for index, (folder, records, _) in enumerate(loaded):
+            colour = f"C{index % 10}"
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
-                ax.plot(*zip(*points, strict=True), label=folder.name, linewidth=1.2)
+                ax.plot(*zip(*points, strict=True), label=folder.name, linewidth=1.2, color=colour)
             if key == "loss":
                 evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
                 if evals:
-                    ax.plot(*zip(*evals, strict=True), "o--", label=f"{folder.name} eval", markersize=4)
+                    ax.plot(*zip(*evals, strict=True), "o--", label=f"{folder.name} eval", markersize=4, color=colour)
         ax.set_title(label)
         ax.set_xlabel("optimizer step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

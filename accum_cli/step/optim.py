@@ -46,8 +46,9 @@ def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: in
 
     A checkpoint stores no scheduler state: the schedule is a function of the step, so a
     resumed run rebuilds it here from the step and the restored optimizer's `initial_lr`."""
+    warmup = cfg.warmup_for(total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.lr_schedule, cfg.min_lr_ratio),
+        lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule, cfg.min_lr_ratio),
         last_epoch=done_steps - 1,
     )

@@ -1,0 +1,95 @@
+"""The first hour with your own model (issue 38): a tokenizer that makes nothing of the text is refused naming
+it, truncation is counted in loss tokens, and the warmup may be a share of the run. Real tiny models saved to a
+folder, real dataset files, the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import read_metrics, run_cli, save_tiny_model
+from typer.testing import CliRunner
+
+from accum_cli.cli.main import app
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("first-hour")
+    save_tiny_model(root / "model")
+    rows = {  # ByT5 makes one token of each byte: 19 + 60 + EOS = 80 tokens, 61 of them in the loss
+        "answers.jsonl": [{"prompt": f"question number {i:03d}", "completion": "an answer " * 6} for i in range(16)],
+        "late-answers.jsonl": [
+            {"prompt": "a long question " * 3 + f"{i:02d}", "completion": "x" * 60} for i in range(16)
+        ],  # fmt: skip
+        "text.jsonl": [{"text": f"some text to learn from, row {i}"} for i in range(16)],
+    }
+    for name, content in rows.items():
+        (root / name).write_text("".join(json.dumps(row) + "\n" for row in content))
+    return root
+
+
+def args(root: Path, out: Path, data: str, *extra: str) -> list[str]:
+    return ["--model", str(root / "model"), "--dataset", str(root / data), "--global-batch", "4",
+            "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(out), *extra]  # fmt: skip
+
+
+def one_line_error(result) -> str:
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_a_tokenizer_that_makes_no_tokens_of_the_text_is_refused_naming_its_class(root, tmp_path):
+    """A Qwen2 config saved beside a ByT5 tokenizer loads as an empty Qwen2Tokenizer that turns text into []:
+    refused before any work, naming it, where it used to end in a refusal that blamed the labels."""
+    from transformers import ByT5Tokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path / "qwen2-with-byt5-files"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)  # fmt: skip
+    ByT5Tokenizer().save_pretrained(folder)
+    for data in ("text.jsonl", "answers.jsonl"):
+        out = tmp_path / data
+        line = one_line_error(run_cli([*args(root, out, data), "--model", str(folder)]))
+        assert line.startswith("accum-train: error: the tokenizer (Qwen2Tokenizer, vocabulary "), line
+        assert "turns the dataset's text into no tokens; put the tokenizer files that belong to the model" in line
+        assert not out.exists()
+
+
+def test_truncation_is_counted_in_loss_tokens_warned_about_and_named_when_it_takes_every_one(root, tmp_path):
+    result = run_cli(args(root, tmp_path / "cut", "answers.jsonl", "--seq-len", "40"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tokenizer         ByT5Tokenizer, vocabulary 384" in result.stdout
+    # each row: 61 positions counted, 40 of them past the 40th token
+    cut = "truncated         16 documents longer than --seq-len: 66% of the loss tokens cut away (640 of 976)"
+    assert cut in result.stdout, result.stdout
+    assert "warning           --seq-len cuts away 66% of what the loss counts, the ends of answers first; raise " \
+           "--seq-len (the longest row holds 80 tokens)" in result.stdout  # fmt: skip
+    kept = run_cli(args(root, tmp_path / "kept", "answers.jsonl", "--seq-len", "79"))  # only the EOS cut
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert "longer than --seq-len: 2% of the loss tokens cut away (16 of 976)" in kept.stdout, kept.stdout
+    assert "warning " not in kept.stdout
+    # every answer starts past --seq-len: the refusal names --seq-len and the longest row, not the labels only
+    line = one_line_error(run_cli(args(root, tmp_path / "none", "late-answers.jsonl", "--seq-len", "40")))
+    assert "no position of the dataset counts in the loss once --seq-len 40 cuts the rows: every counted " \
+           "position lies past it (the longest row holds 111 tokens); raise --seq-len" in line, line  # fmt: skip
+
+
+def test_warmup_ratio_is_a_share_of_the_runs_steps_from_a_flag_or_a_recipe(root, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("warmup_ratio: 0.5\nlr: 1.0e-3\nlr_schedule: constant\n")
+    out = tmp_path / "run"
+    extra = ("--recipe", str(recipe), "--max-steps", "4", "--seq-len", "16")
+    result = run_cli([*args(root, out, "text.jsonl"), *extra])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "constant, 2 warmup steps (--warmup-ratio 0.5)" in result.stdout, result.stdout
+    assert [m["lr"] for m in read_metrics(out)] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
+    recorded = json.loads((out / "config.json").read_text())["config"]
+    assert (recorded["warmup_ratio"], recorded["warmup_steps"]) == (0.5, None)
+    for flags, message in ((["--warmup-ratio", "0.1", "--warmup-steps", "2"], "--warmup-steps and --warmup-ratio "
+                            "both given; pick one"), (["--warmup-ratio", "1"], "--warmup-ratio must lie in [0, 1), got 1.0")):  # fmt: skip
+        bad = CliRunner().invoke(app, [*args(root, tmp_path / "bad", "text.jsonl"), *flags])
+        assert bad.exit_code == 2 and bad.output.strip() == f"accum-train: error: {message}", bad.output
