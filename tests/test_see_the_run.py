@@ -371,3 +371,19 @@ def test_accum_report_compares_several_runs_each_in_one_colour_in_every_panel(ro
     tab10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]  # matplotlib's C0, C1, ...
     used = {colour for colour in re.findall(r"stroke: (#[0-9a-f]{6})", picture.read_text()) if colour in tab10}
     assert used == set(tab10[:3]), f"three runs, three colours: {sorted(used)}"
+
+
+@pytest.mark.parametrize(
+    "given, read",
+    [
+        (["R", "--compare", "A", "B"], ["R", "--compare", "A", "--compare", "B"]),
+        (["R", "--compare=A", "B", "--out", "x.png"], ["R", "--compare=A", "--compare", "B", "--out", "x.png"]),
+        (["--compare", "A", "R"], ["--compare", "A", "R"]),  # the run after one folder, as click read it before
+        (["--compare", "A", "B", "R"], ["--compare", "A", "--compare", "B", "R"]),
+        (["--out", "x.png", "R", "--compare", "A"], ["--out", "x.png", "R", "--compare", "A"]),
+    ],
+)
+def test_compare_takes_several_folders_and_the_run_may_come_last(given, read):
+    from accum_cli.cli.report import several_after_compare
+
+    assert several_after_compare(given) == read

@@ -31,14 +31,19 @@ def main(
 
 def several_after_compare(args: list[str]) -> list[str]:
     """`--compare A B C` as Typer reads it, `--compare A --compare B --compare C`: an option of click
-    takes one value per use, and the folders after the first would be extra arguments."""
-    spread, taking = [], False
+    takes one value per use, and the folders after the first would be extra arguments. Where the run
+    comes after them (`--compare A RUN`, which click read so before), the last of them is the run."""
+    spread, taking, run_given, last_taken = [], False, False, None
     for arg in args:
         if taking and not arg.startswith("-"):
+            last_taken = len(spread) + (0 if spread[-1] == "--compare" else 1)
             spread += [arg] if spread[-1] == "--compare" else ["--compare", arg]
             continue
+        run_given = run_given or not (arg.startswith("-") or (spread and spread[-1] == "--out"))
         taking = arg == "--compare" or arg.startswith("--compare=")
         spread.append(arg)
+    if not run_given and last_taken is not None and spread[last_taken - 1] == "--compare" and last_taken > 1:
+        del spread[last_taken - 1]  # `--compare` before the run's folder: the folder stands alone
     return spread
 
 
