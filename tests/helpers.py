@@ -98,6 +98,21 @@ def write_ragged_tokens(path: Path, n_rows: int = 30, seed: int = 2) -> Path:
     return path
 
 
+def write_first_step_without_loss_tokens(path: Path, n_rows: int, global_batch: int, seed: int) -> Path:
+    """Pre-tokenised rows of 10 tokens where the samples the run's order draws for step 1 count
+    nothing in the loss (every label -100: prompts whose completions were cut off) and the rest count
+    every position."""
+    from accum_cli.data.batches import SampleOrder
+
+    first = set(SampleOrder(n_rows, seed).rows(range(0, global_batch)))
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for row in range(n_rows):
+            ids = torch.randint(3, 300, (10,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * 10 if row in first else ids}) + "\n")
+    return path
+
+
 def env(threads: int = 1, **extra: str) -> dict[str, str]:
     e = dict(os.environ) | extra
     e.update(OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")

@@ -25,6 +25,7 @@ from helpers import (
     run_cli,
     save_tiny_model,
     worker_pids,
+    write_first_step_without_loss_tokens,
     write_ragged_tokens,
 )
 from safetensors.torch import load_file, save_file
@@ -290,12 +291,7 @@ def test_a_step_without_loss_tokens_aborts_or_is_skipped(tmp_path, policy):
     names the step (exit 3); skip drops it and goes on, the schedule moving as for any skipped step."""
     model_dir = save_tiny_model(tmp_path / "model")
     n_rows, global_batch = 8, 4
-    first = set(SampleOrder(n_rows, SEED).rows(range(0, global_batch)))
-    g = torch.Generator().manual_seed(0)
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for row in range(n_rows):
-            ids = torch.randint(3, 300, (10,), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "labels": [-100] * 10 if row in first else ids}) + "\n")
+    write_first_step_without_loss_tokens(tmp_path / "data.jsonl", n_rows, global_batch, SEED)
     out = tmp_path / "run"
     result = run_cli(["--model", str(model_dir), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
                       str(global_batch), "--micro-batch", "2", "--max-steps", "2", "--seed", str(SEED),

@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, env, free_port, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import (
+    REPO,
+    env,
+    free_port,
+    read_metrics,
+    run_cli,
+    save_tiny_model,
+    write_first_step_without_loss_tokens,
+    write_ragged_tokens,
+)
 from safetensors.torch import load_file, save_file
 
 from accum_cli.config.settings import FP32_MAX, FP32_TINY, RUN_RECORD_KEYS
-from accum_cli.data.batches import SampleOrder
 
 slow = pytest.mark.distributed  # real training subprocesses: the slow set
 
@@ -72,12 +80,7 @@ def test_an_update_that_overflows_ends_the_run_and_keeps_the_last_checkpoint(roo
     applies to it: the weights themselves are lost."""
     model = save_tiny_model(tmp_path / "model")
     n_rows, global_batch, seed = 8, 4, 5
-    first = set(SampleOrder(n_rows, seed).rows(range(0, global_batch)))
-    g = torch.Generator().manual_seed(0)
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for row in range(n_rows):
-            ids = torch.randint(3, 300, (10,), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "labels": [-100] * 10 if row in first else ids}) + "\n")
+    write_first_step_without_loss_tokens(tmp_path / "data.jsonl", n_rows, global_batch, seed)
     out = tmp_path / "run"
     result = run_cli(["--model", str(model), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
                       str(global_batch), "--micro-batch", "2", "--max-steps", "2", "--seed", str(seed),
