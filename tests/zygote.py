@@ -10,6 +10,11 @@ ends the rest, as torchrun does. What it does not reproduce is a launcher: tests
 `accelerate launch` or the `--nproc` wrapper, about signals to a launcher, or needing a variable that
 torch or transformers read at import (helpers.IMPORT_TIME_ENV) start the real thing instead.
 
+Why not multiprocessing's forkserver (`set_forkserver_preload` forks warm too): its children run
+inside multiprocessing's bootstrap (its exit path and atexit handling, not `python -m`'s), share no
+stdout a test can read apart per launch, and have no process group of their own for a timeout to kill
+with the ranks they started.
+
 Protocol (one request per connection on a Unix socket): the client sends one JSON line
 {target, kind: module|path|code, argv, env, cwd, ranks, stdout, stderr}; a session process (its own
 process group, so a client timing out kills it and its ranks with one killpg) answers
