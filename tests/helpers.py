@@ -121,8 +121,8 @@ def env(threads: int = 1, **extra: str) -> dict[str, str]:
     return e
 
 
-# Variables torch, transformers, huggingface_hub (its cache under HOME) or the OpenMP runtime read when imported: a launch that sets one
-# differently from the warm parent (zygote.py) starts a fresh interpreter instead.
+# Variables that torch, transformers, huggingface_hub (its cache under HOME) or the OpenMP runtime read
+# when imported: a launch that sets one differently from the warm parent (zygote.py) starts afresh.
 IMPORT_TIME_ENV = (
     "TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "OMP_", "MKL_", "KMP_", "JE_ARROW", "HOME", "XDG_",
 )  # fmt: skip
@@ -142,6 +142,10 @@ def _zygote_socket() -> tuple[str, dict[str, str]]:
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout.readline().strip() == "ready", "the warm parent did not start"
     _zygote.update(proc=proc, socket=path, env=base)
+    import atexit
+    import shutil
+
+    atexit.register(lambda: (proc.kill(), proc.wait(), shutil.rmtree(folder, ignore_errors=True)))
     return path, base
 
 
@@ -185,12 +189,13 @@ def launch(
             conn.connect(path)
             conn.settimeout(timeout)
             conn.sendall((json.dumps(request) + "\n").encode())
-            replies = conn.makefile()
-            session = json.loads(replies.readline())["session"]
+            replies, session = conn.makefile(), None
             try:
+                session = json.loads(replies.readline())["session"]
                 codes = json.loads(replies.readline())["codes"]
             except (TimeoutError, OSError) as exc:
-                os.killpg(session, 9)
+                if session is not None:
+                    os.killpg(session, 9)  # the session and every rank it forked
                 raise subprocess.TimeoutExpired(target, timeout) from exc
         stdout, stderr = (Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in (out, err))
     failed = [c for c in codes if c != 0]
