@@ -93,3 +93,29 @@ def test_warmup_ratio_is_a_share_of_the_runs_steps_from_a_flag_or_a_recipe(root,
                             "both given; pick one"), (["--warmup-ratio", "1"], "--warmup-ratio must lie in [0, 1), got 1.0")):  # fmt: skip
         bad = CliRunner().invoke(app, [*args(root, tmp_path / "bad", "text.jsonl"), *flags])
         assert bad.exit_code == 2 and bad.output.strip() == f"accum-train: error: {message}", bad.output
+
+
+def test_answers_without_eos_are_warned_about_and_chat_eos_ends_each_with_it(tmp_path):
+    """A chat template that ends turns with a marker of its own (here a newline) never shows the model
+    its EOS: the header warns and names --chat-eos, which adds the EOS after each answer that holds
+    none, counted in the loss (one more loss token per answer); a template ending answers with the EOS
+    gets no warning and nothing added."""
+    from helpers import CHAT_TEMPLATE
+
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+                    {"role": "user", "content": "and?"}, {"role": "assistant", "content": "bye"}]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": conversation}) + "\n" for _ in range(8)))
+    with_eos = CHAT_TEMPLATE.replace("{{ m['content'] }}\n", "{{ m['content'] }}{{ eos_token }}")  # EOS for "\n"
+    counted = {}
+    for name, template, extra in [("marker", CHAT_TEMPLATE, ()), ("appended", CHAT_TEMPLATE, ("--chat-eos",)),
+                                  ("eos", with_eos, ())]:  # fmt: skip
+        model = save_tiny_model(tmp_path / f"model-{name}", chat_template=template)
+        result = run_cli(["--model", str(model), "--dataset", str(data), "--global-batch", "4", "--micro-batch", "2",
+                          "--max-steps", "1", "--output-dir", str(tmp_path / name), *extra])  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        warned = "8 of 8 conversations' answers hold no EOS" in result.stdout and "--chat-eos" in result.stdout
+        assert warned == (name == "marker"), (name, result.stdout)
+        counted[name] = int(result.stdout.split(" count in the loss")[0].rsplit("(", 1)[1].replace(",", ""))
+    assert counted["appended"] == counted["marker"] + 8 * 2, counted  # an EOS after each of the two answers
+    assert counted["eos"] == counted["marker"], counted  # its EOS in the newline's place: nothing added

@@ -197,7 +197,7 @@ def test_a_buffered_row_holds_its_own_tokens_not_its_chunk():
     lengths = np.full(256, 40, dtype=np.int64)
     ids = np.arange(256 * 40, dtype=np.uint16)
     mask = (np.arange(256 * 40) % 3 != 0).astype(np.uint8)
-    chunk = prepare.Chunk(ids, lengths, mask, None, 256, 0, 0, 0, 40)
+    chunk = prepare.Chunk(ids, lengths, mask, None, 256, 0, 0, 0, 40, 0)
     rows = list(stream._rows([chunk], None))
     assert len(rows) == 256 and rows[1][0].tolist() == list(range(40, 80))
     for row_ids, row_labels in rows:

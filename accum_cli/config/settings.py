@@ -97,6 +97,8 @@ class TrainConfig:
     )  # fmt: skip
     train_on_prompt: bool = option(False, "Chat and prompt-completion data: count every token, not only the answers.",
                                    MODEL_DATA)  # fmt: skip
+    chat_eos: bool = option(False, "Chat data: end each assistant turn whose tokens hold no EOS with the tokenizer's "
+                            "EOS, counted in the loss (prompt-completion rows always get one).", MODEL_DATA)  # fmt: skip
     eval_dataset: str | None = option(None, "Dataset to evaluate on (same formats as --dataset).", MODEL_DATA,
                                       none_means="none")  # fmt: skip
     eval_split_ratio: float = option(0.0, "Hold out this share of the training sequences for evaluation.",

@@ -213,7 +213,7 @@ def umask_now() -> int:
     return mask
 
 
-PREP_VERSION = 4  # 3: block digests in meta.json; 4: stats of what --seq-len cut (earlier entries lack them)
+PREP_VERSION = 5  # 3: block digests in meta.json; 4: stats of what --seq-len cut; 5: chat answers without EOS
 # A warning above this share of the loss tokens cut by --seq-len: truncation takes the ends of the answers, the EOS
 # that teaches the model to stop among them, so a quarter gone already changes what the model learns to say.
 TRUNCATION_WARN_SHARE = 0.25
@@ -232,6 +232,7 @@ class Stats:
     stored_bytes: int = 0  # the prepared files, all together
     cut_loss_tokens: int = 0  # positions that counted in the loss, cut away by --seq-len
     longest_document: int = 0  # tokens in the longest row before --seq-len cut it
+    without_eos: int = 0  # chat rows whose answers hold no EOS
 
     def describe(self, global_batch: int) -> list[str]:
         steps = self.samples // global_batch
@@ -257,4 +258,10 @@ class Stats:
                     f"warning           --seq-len cuts away {share:.0%} of what the loss counts, the ends of answers "
                     f"first; raise --seq-len (the longest row holds {self.longest_document:,} tokens)"
                 )
+        if self.without_eos:
+            lines.append(
+                f"warning           {self.without_eos:,} of {self.documents:,} conversations' answers hold no EOS (the "
+                "chat template ends turns with a marker of its own): the model would not learn to stop; --chat-eos "
+                "ends each answer with the tokenizer's EOS"
+            )
         return lines

@@ -19,6 +19,7 @@ class Options:
     packing: bool | None = None  # None: pack text, keep rows for the other formats
     train_on_prompt: bool = False
     vocab_size: int | None = None  # the model's: ids must lie below it; picks the storage type
+    chat_eos: bool = False  # chat: an assistant turn without the tokenizer's EOS gets one
 
 
 def detect_format(columns: list[str], text_column: str) -> str:
@@ -188,6 +189,7 @@ def _turn(turn):
 
 
 def _chat(batch, tokenizer, options: Options):
+    eos = tokenizer.eos_token_id if options.chat_eos else None
     all_ids, all_labels = [], []
     for row, messages in enumerate(batch["messages"]):
         if isinstance(messages, list):
@@ -204,7 +206,7 @@ def _chat(batch, tokenizer, options: Options):
         else:
             # The tokens an assistant turn adds: the conversation up to and including it, minus
             # the conversation before it with the generation prompt (so the header is not counted).
-            labels = [IGNORE_INDEX] * len(ids)
+            labels, answers = [IGNORE_INDEX] * len(ids), []
             for i, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
@@ -215,9 +217,27 @@ def _chat(batch, tokenizer, options: Options):
                         "the chat template does not render conversations prefix by prefix; use --train-on-prompt"
                     )
                 labels[start:end] = ids[start:end]
+                answers.append((start, end))
+            if eos is not None:
+                ids, labels = _answers_end_with(eos, ids, labels, answers)
         all_ids.append(ids)
         all_labels.append(labels)
     return all_ids, all_labels
+
+
+def _answers_end_with(eos: int, ids: list[int], labels: list[int], answers: list[tuple[int, int]]):
+    """--chat-eos: the tokenizer's EOS after each answer (the tokens spans [start, end) of the assistant
+    turns) that holds none, counted in the loss as the answer's own last token: what teaches a model
+    to stop where its chat template ends a turn with a marker of its own."""
+    out_ids, out_labels, at = [], [], 0
+    for start, end in answers:
+        out_ids += ids[at:end]
+        out_labels += labels[at:end]
+        if eos not in ids[start:end]:
+            out_ids.append(eos)
+            out_labels.append(eos)
+        at = end
+    return out_ids + ids[at:], out_labels + labels[at:]
 
 
 def _prompt_completion(batch, tokenizer, options: Options):
@@ -247,6 +267,9 @@ def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_
     except BadRow as exc:
         raise row_error(first_row + exc.index, exc.problem) from None
     labels = ids if labels is None else labels
+    # A conversation whose answers hold no EOS teaches a model that never stops (the header warns).
+    eos = tokenizer.eos_token_id if fmt == "chat" and not options.train_on_prompt else None
+    no_eos = [eos is not None and any(x != IGNORE_INDEX for x in row) and eos not in row for row in labels]
     truncated, cut, lengths = [False] * len(ids), [0] * len(ids), [len(row) for row in ids]
     if not packed and (fmt != "tokens" or options.packing is False):
         truncated = [length > options.seq_len for length in lengths]
@@ -254,4 +277,5 @@ def make_rows(batch, tokenizer, options: Options, fmt: str, packed: bool, first_
         cut = [sum(label != IGNORE_INDEX for label in row[options.seq_len :]) for row in labels]
         ids = [row[: options.seq_len] for row in ids]
         labels = [row[: options.seq_len] for row in labels]
-    return {"input_ids": ids, "labels": labels, "truncated": truncated, "cut_loss_tokens": cut, "lengths": lengths}
+    return {"input_ids": ids, "labels": labels, "truncated": truncated, "cut_loss_tokens": cut, "lengths": lengths,
+            "without_eos": no_eos}  # fmt: skip

@@ -98,7 +98,8 @@ def tokenise_batch(job: Job, batch: dict, start: int, n_rows: int) -> Chunk:
     else:
         loss_tokens = total - len(rows)
     return Chunk(ids.astype(token_dtype(vocab)), lengths, mask, labels, n_rows, sum(built["truncated"]),
-                 loss_tokens, sum(built["cut_loss_tokens"]), max(built["lengths"], default=0))  # fmt: skip
+                 loss_tokens, sum(built["cut_loss_tokens"]), max(built["lengths"], default=0),
+                 sum(built["without_eos"]))  # fmt: skip
 
 
 def _flat(rows: list[list[int]], where: list[int], start: int, name: str) -> np.ndarray:
@@ -232,7 +233,7 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
         meta = writer.finish()
         stats = Stats(fmt, writer.documents, meta["samples"], meta["tokens"], writer.loss_tokens, packed,
                       writer.truncated, writer.longest, sum(meta["files"].values()), writer.cut_loss_tokens,
-                      writer.longest_document)  # fmt: skip
+                      writer.longest_document, writer.without_eos)  # fmt: skip
         check_trainable(stats, options)
         (work / "meta.json").write_text(json.dumps(meta | {"key": key, "stats": asdict(stats)}))
         publish(work, root / key)

@@ -63,6 +63,7 @@ class Chunk:
     loss_tokens: int  # in unpacked rows (each row's first position predicts nothing)
     cut_loss_tokens: int  # positions that counted in the loss past seq_len, cut away with them
     longest_document: int  # tokens in the longest row, before seq_len cut it
+    without_eos: int  # chat rows whose answers (the positions that count) hold no EOS
 
 
 class Writer:
@@ -85,6 +86,7 @@ class Writer:
         self.longest = 0
         self.cut_loss_tokens = 0
         self.longest_document = 0
+        self.without_eos = 0
 
     def _open(self, name: str):
         return self._files.enter_context(open(self.folder / name, "wb"))
@@ -113,6 +115,7 @@ class Writer:
         self.loss_tokens += chunk.loss_tokens
         self.cut_loss_tokens += chunk.cut_loss_tokens
         self.longest_document = max(self.longest_document, chunk.longest_document)
+        self.without_eos += chunk.without_eos
         if len(chunk.lengths):
             self.longest = max(self.longest, int(chunk.lengths.max()))
 

@@ -97,7 +97,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     vocab_size = getattr(model_config, "vocab_size", None)
-    options = formats.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size)
+    options = formats.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size, cfg.chat_eos)
     prepare.check_num_proc(cfg.num_proc)
     eval_key, raw_eval = None, None
     if cfg.streaming:  # the stream is read as training goes: datasets stays in this process
