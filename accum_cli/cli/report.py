@@ -68,7 +68,8 @@ def entry() -> None:
             typer.Option(help="Where to write the picture (.png, .svg or .pdf).  [default: RUN/report.png]"),
         ] = None,
     ) -> None:
-        """Draw loss, eval loss, learning rate, gradient norm, tokens/s and memory against the step."""
+        """Draw loss, eval loss, learning rate, gradient norm, tokens/s and memory against the step (the tokens
+        trained where compared runs train different numbers of tokens per step), each resume marked."""
         try:
             main(run, compare, out)
         except UserError as exc:
