@@ -259,7 +259,7 @@ def test_chat_data_is_exact_under_ragged_accumulation(model, tmp_path):
     result = run_cli(
         ["--model", str(model), "--dataset", str(path), "--global-batch", str(G), "--micro-batch", "3",
          "--max-steps", "3", "--seed", str(SEED), "--lr", str(LR), "--warmup-steps", "0", "--lr-schedule",
-         "constant", "--seq-len", str(CHAT_SEQ), "--output-dir", str(out)],
+         "constant", "--seq-len", str(CHAT_SEQ), "--output-dir", str(out), "--verbose"],
         nproc=2,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -312,7 +312,7 @@ def test_tokenisation_happens_once_and_the_cache_is_reused(model, tmp_path):
     path, _ = write_sources(tmp_path)["jsonl"]
     cache = tmp_path / "shared-cache"
     args = ["--model", str(model), "--dataset", path, "--seq-len", "32", "--global-batch", "4", "--micro-batch", "1",
-            "--max-steps", "1", "--eval-split-ratio", "0.2"]  # fmt: skip
+            "--max-steps", "1", "--eval-split-ratio", "0.2", "--verbose"]  # fmt: skip
     first = run_cli([*args, "--output-dir", str(tmp_path / "a")], nproc=2, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
     assert first.returncode == 0, first.stdout + first.stderr
     assert "tokenisation      done once (on 1 of 2 ranks) and cached" in first.stdout

@@ -5,6 +5,7 @@ folder, real dataset files, the real CLI."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,52 @@ def test_answers_without_eos_are_warned_about_and_chat_eos_ends_each_with_it(tmp
         assert result.returncode == 0, result.stdout + result.stderr
         warned = "8 of 8 conversations' answers hold no EOS" in result.stdout and "--chat-eos" in result.stdout
         assert warned == (name == "marker"), (name, result.stdout)
-        counted[name] = int(result.stdout.split(" count in the loss")[0].rsplit("(", 1)[1].replace(",", ""))
+        counted[name] = int(result.stdout.split(" in the loss)")[0].rsplit("(", 1)[1].replace(",", ""))
     assert counted["appended"] == counted["marker"] + 8 * 2, counted  # an EOS after each of the two answers
     assert counted["eos"] == counted["marker"], counted  # its EOS in the newline's place: nothing added
+
+
+def header(stdout: str) -> list[str]:
+    """The lines printed before the first step, section rules included."""
+    lines = stdout.splitlines()
+    return lines[: next(i for i, line in enumerate(lines) if line.startswith("step 1/"))]
+
+
+def test_the_header_fits_a_glance_and_verbose_has_every_detail(root, tmp_path):
+    """About 12 lines by default: the plan, then one line per thing a user checks (model, tokenizer, data,
+    training, device, layout, precision, output), nothing about wrapping or the heap; `--verbose` prints
+    them all. Rows are not packed: tokens per step is a bound, and step 1 says what it held. The closing
+    summary names every artefact the run wrote."""
+    out = tmp_path / "short"
+    result = run_cli([*args(root, out, "answers.jsonl"), "--report-to", "tensorboard"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    short = header(result.stdout)
+    assert len(short) <= 13, "\n".join(short)
+    labels = [line.split()[0] for line in short if not line.startswith("──")]
+    for label in ("global", "accumulation", "model", "tokenizer", "data", "training", "device", "layout",
+                  "precision", "output"):  # fmt: skip
+        assert label in labels, "\n".join(short)
+    for detail in ("host memory", "wrapped", "sharding", "tokenisation", "format   ", "attention   "):
+        assert not [line for line in short if line.strip().startswith(detail)], detail
+    assert "tokens at most 1,024 (4 x seq len 256): rows are as long as they are" in short[1]
+    step_one = re.search(r"tokens per step   ([\d,]+) in step 1, of at most 1,024", result.stdout)
+    assert step_one and int(step_one[1].replace(",", "")) == read_metrics(out)[0]["tokens"], result.stdout
+    done = result.stdout.split("── done")[1]
+    for artefact in ("final", "checkpoints/step-000001", "metrics.jsonl", "report.png", "config.json",
+                     "trackers (tensorboard)"):  # fmt: skip
+        assert f"{out}/{artefact}" in done, (artefact, done)
+
+    verbose = run_cli([*args(root, tmp_path / "verbose", "answers.jsonl"), "--verbose"])
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    full = "\n".join(header(verbose.stdout))
+    for detail in ("wrapped ", "tokenisation ", "format            prompt-completion", "attention    "):
+        assert detail in full, (detail, full)
+    assert len(header(verbose.stdout)) > len(short) + 8
+
+
+def test_a_zero_weight_pass_is_mentioned_only_where_a_microbatch_is_empty():
+    from accum_cli.config.plan import Plan
+
+    assert "zero-weight" not in "\n".join(Plan(11, 3, 2).describe())  # ranks of 6 and 5: 3 + 3 and 3 + 2
+    assert "zero-weight" not in "\n".join(Plan(11, 2, 2).describe())  # 2 + 2 + 2 and 2 + 2 + 1
+    assert "zero-weight" in "\n".join(Plan(9, 2, 2).describe())  # ranks of 5 and 4: 2+2+1 and 2+2+0

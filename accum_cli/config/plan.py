@@ -114,7 +114,33 @@ class Plan:
             f"micro batch x world size = {self.micro_batch} x {self.world_size}; use {hint}"
         )
 
-    def describe(self, seq_len: int | None = None) -> list[str]:
+    def tokens_per_step(self, seq_len: int, packed: bool = True) -> str:
+        """Packed blocks fill every position; rows are padded per microbatch, so seq len is a bound."""
+        bound = f"{self.global_batch * seq_len:,} ({self.global_batch} x seq len {seq_len})"
+        return bound if packed else f"at most {bound}: rows are as long as they are"
+
+    @property
+    def has_empty_microbatch(self) -> bool:
+        return any(self.microbatch_size(rank, self.accum_steps - 1) == 0 for rank in range(self.world_size))
+
+    def summary(self, seq_len: int, packed: bool = True) -> list[str]:
+        """The run header's two plan lines; describe() has them all (--plan, --verbose)."""
+        g, m, w, a = self.global_batch, self.micro_batch, self.world_size, self.accum_steps
+        ranks = f"{w} rank{'s' if w > 1 else ''}"
+        if self.divisible:
+            split = f"{a} microbatch{'es' if a > 1 else ''} of {m} on each of {ranks}"
+        else:
+            counts = " or ".join(str(n) for n in sorted({self.rank_samples(r) for r in range(w)}, reverse=True))
+            split = (
+                f"{a} microbatch{'es' if a > 1 else ''} of at most {m} on each of {ranks}, taking {counts} sequences: "
+                f"{g} is not a multiple of m x W = {m * w}, and the loss stays exact"
+            )
+        return [
+            f"global batch      {g} sequences per optimizer step, tokens {self.tokens_per_step(seq_len, packed)}",
+            f"accumulation      {split}",
+        ]
+
+    def describe(self, seq_len: int | None = None, packed: bool = True) -> list[str]:
         """Human-readable plan lines (printed by rank 0 and by --plan)."""
         g, m, w, a = self.global_batch, self.micro_batch, self.world_size, self.accum_steps
         lines = [
@@ -124,7 +150,7 @@ class Plan:
             f"accumulation      {a} microbatch{'es' if a > 1 else ''} per rank per step",
         ]
         if seq_len:
-            lines.append(f"tokens per step   {g * seq_len:,} ({g} x seq len {seq_len})")
+            lines.append(f"tokens per step   {self.tokens_per_step(seq_len, packed)}")
         counts = sorted({self.rank_samples(r) for r in range(w)}, reverse=True)
         lines.append(f"per rank          {' or '.join(map(str, counts))} sequences per step")
         if self.divisible:
@@ -142,10 +168,8 @@ class Plan:
             )
         else:
             lines.append(f"                  every rank takes {base}; microbatch sizes {sizes_hi}")
-        lines.append(
-            "                  the loss stays exact (normalised by the global loss-token count); "
-            "an empty microbatch runs a zero-weight pass"
-        )
+        empty = "; an empty microbatch runs a zero-weight pass" if self.has_empty_microbatch else ""
+        lines.append(f"                  the loss stays exact (normalised by the global loss-token count){empty}")
         below, above = self.nearest_valid_global_batches()
         lines.append(f"                  nearest divisible global batches: {below}, {above}")
         return lines

@@ -16,11 +16,12 @@ import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from accum_cli.config import policy, recipe
+from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
 from accum_cli.errors import UserError
 
 LR_SCHEDULES = ("cosine", "constant")
@@ -46,36 +47,8 @@ FP32_MAX = (2 - 2**-23) * 2.0**127
 FP32_TINY = 2.0**-126
 DEFAULT_WARMUP_STEPS = 5  # --warmup-steps and --warmup-ratio unset
 
-# --help panels, in the order they are shown.
-MODEL_DATA = "Model & data"
-BATCH = "Batch"
-OPTIMISATION = "Optimisation"
-CHECKPOINTS = "Checkpoints & resume"
-LAUNCH = "Launch"
-OUTPUT = "Output"
-PANELS = (MODEL_DATA, BATCH, OPTIMISATION, CHECKPOINTS, LAUNCH, OUTPUT)
 # The top level of a run's config.json, as run/record.py `run_record_of` writes it: only "config" is read.
 RUN_RECORD_KEYS = ("config", "plan", "resumed_from")
-
-
-def option(
-    default: Any,
-    help: str,
-    panel: str,
-    *,
-    none_means: str | None = None,
-    choices: tuple[str, ...] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    why: str | None = None,
-) -> Any:
-    """A config field with everything the flag, the recipe key and the checks need to know
-    (`why`: what an out-of-bounds value would do and what to pass, said after the bounds)."""
-    meta = {"help": help, "panel": panel, "none_means": none_means, "choices": choices,
-            "ge": ge, "gt": gt, "le": le, "lt": lt, "why": why}  # fmt: skip
-    return field(default=default, metadata=meta)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,8 +187,18 @@ class TrainConfig:
                                   none_means="the output dir's name (the same on every restart)")  # fmt: skip
     log_every: int | None = option(None, "Print a console line every N optimizer steps (metrics.jsonl has all).",
                                    OUTPUT, none_means="about 20 lines per run", ge=1)  # fmt: skip
+    verbose: bool = option(False, "Print every detail of the plan and the run before the first step (config.json "
+                           "holds them all too).", OUTPUT)  # fmt: skip
     export_dtype: str = option("auto", "dtype of final/ (training keeps fp32 master weights); auto: the dtype the "
                                "model's config declares, fp32 if none.", OUTPUT, choices=EXPORT_DTYPES)  # fmt: skip
+    sample_prompts: str | None = option(
+        None, "Prompts to complete greedily as the model trains, into samples.jsonl and the trackers: one per line, "
+        'or in a .jsonl file one {"messages": [...]} per line (chat turns, with the chat template).', OUTPUT,
+        none_means="no samples",
+    )  # fmt: skip
+    sample_every: int | None = option(None, "--sample-prompts: complete them every N optimizer steps (and at the end).",
+                                      OUTPUT, none_means="at the end", ge=1)  # fmt: skip
+    sample_tokens: int = option(32, "--sample-prompts: tokens per completion (greedy, always this many).", OUTPUT, ge=1)
 
     def validate(self) -> TrainConfig:
         """Collect every problem, then raise once naming them all."""
@@ -233,6 +216,7 @@ class TrainConfig:
             "split",
             "run_name",
             "report_to",
+            "sample_prompts",
         ):
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
@@ -247,6 +231,8 @@ class TrainConfig:
             problems.append("--streaming needs --max-steps N: a stream has no known length to count --epochs in")
         if self.streaming and self.eval_split_ratio:
             problems.append("--eval-split-ratio cannot hold out part of a stream; pass --eval-dataset with --streaming")
+        if self.sample_every is not None and self.sample_prompts is None:
+            problems.append("--sample-every needs --sample-prompts FILE: the prompts to complete")
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:

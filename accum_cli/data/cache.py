@@ -246,6 +246,20 @@ class Stats:
             lines.append(
                 f"stored            {self.stored_bytes / max(self.tokens, 1):.2f} bytes per token, memory-mapped"
             )
+        return lines + self.warnings()
+
+    def summary(self, global_batch: int) -> list[str]:
+        """The run header's data line, and the warnings; describe() has every detail (--verbose)."""
+        shape = "packed into blocks" if self.packed else "one document per row"
+        return [
+            f"data              {self.format}, {shape}: {self.documents:,} documents, {self.tokens:,} tokens "
+            f"({self.loss_tokens:,} in the loss); one epoch = {self.samples // global_batch:,} optimizer steps",
+            *self.warnings(),
+        ]
+
+    def warnings(self) -> list[str]:
+        """Lines about what the data loses: truncation (in loss tokens) and chat answers without EOS."""
+        lines = []
         if self.truncated:
             before = self.loss_tokens + self.cut_loss_tokens
             share = self.cut_loss_tokens / max(before, 1)

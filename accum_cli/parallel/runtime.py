@@ -38,7 +38,12 @@ def threads_per_rank(local_ranks: int) -> int:
 
 def describe_threads() -> str:
     """Where this rank's thread count comes from, for the header."""
-    threads = f"threads           {torch.get_num_threads()} per rank"
+    return f"threads           {threads_used()}"
+
+
+def threads_used() -> str:
+    """This rank's thread count and where it comes from."""
+    threads = f"{torch.get_num_threads()} per rank"
     chosen = os.environ.get(WRAPPER_THREADS)
     if chosen is not None:
         cores, ranks = chosen.split("/")

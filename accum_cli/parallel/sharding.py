@@ -58,7 +58,7 @@ class ShardSettings:
     source: str = "defaults"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def describe(self) -> str:
+    def describe(self, with_source: bool = True) -> str:
         parts = ["bf16 compute, fp32 master weights and gradient reduction" if self.bf16 else "fp32"]
         if not self.reshard_after_forward:
             parts.append("no reshard after forward")
@@ -72,7 +72,7 @@ class ShardSettings:
             parts.append("decoder layers compiled")
         elif self.compile_auto:
             parts.append(f"decoder layers compiled if it pays (decided after step {COMPILE_DECIDED_AFTER})")
-        return ", ".join(parts) + f" (from {self.source})"
+        return ", ".join(parts) + (f" (from {self.source})" if with_source else "")
 
     def as_flags(self) -> dict:
         """The settings as resolved (flags, else the accelerate config, else defaults), as the flags

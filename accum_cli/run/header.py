@@ -53,11 +53,15 @@ def with_default_lr(cfg: TrainConfig, pretrained: bool) -> TrainConfig:
     return dataclasses.replace(cfg, lr=PRETRAINED_LR if pretrained else FROM_SCRATCH_LR)
 
 
-def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> list[str]:
+def lr_schedule(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> str:
     origin = "--lr" if given else f"default for {'pretrained weights' if pretrained else 'training from scratch'}"
-    warmup = cfg.warmup_for(total_steps)
     ratio = f" (--warmup-ratio {cfg.warmup_ratio:g})" if cfg.warmup_ratio is not None else ""
-    lines = [f"learning rate     {cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {warmup} warmup steps{ratio}"]
+    return f"{cfg.lr:g} peak ({origin}), {cfg.lr_schedule}, {cfg.warmup_for(total_steps)} warmup steps{ratio}"
+
+
+def describe_lr(cfg: TrainConfig, given: bool, pretrained: bool, total_steps: int) -> list[str]:
+    warmup = cfg.warmup_for(total_steps)
+    lines = [f"learning rate     {lr_schedule(cfg, given, pretrained, total_steps)}"]
     if warmup > total_steps:  # the run ends inside the warmup: the peak is never reached
         lines.append(
             f"note              the warmup is longer than the run's {total_steps} steps: the learning rate rises"
@@ -79,6 +83,68 @@ def stream_position(s: Setup) -> str:
         f"stream            read again up to sample {s.resume.samples:,} to resume exactly "
         f"({s.replayed_s:.1f} s, without training)"
     )
+
+
+def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
+    """The header by default: one line per decision a user checks before the first step (model, data,
+    training, device, layout, precision, output), and the lines that only some runs need (warnings,
+    notes, a resume). `--verbose` prints describe_run's every detail instead."""
+    rt = s.rt
+    initialised = "" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"
+    attention = getattr(s.model_config, "_attn_implementation", None) or "the model code's"
+    schedule = (cfg, lr_given, s.source.has_weights, s.total_steps)
+    evaluation = f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""
+    mesh = f", HSDP {cfg.replicas} replicas x {rt.world_size // cfg.replicas} shards" if cfg.replicas > 1 else ""
+    if s.layout.layout == "replicate":  # one all-reduce per step: the sync policy is `last` by construction
+        layout = f"replicate ({s.layout.reason})"
+    else:
+        layout = f"shard ({s.layout.reason}); sync {s.decision.policy} ({s.decision.reason})"
+    lines = [
+        f"model             {s.source.name}: {s.size.n_params:,} parameters{initialised}, {attention} attention",
+        *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
+        describe_tokenizer(s.tokenizer),
+        *(s.stats.summary(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *([] if s.stats is not None or s.resume is None else [stream_position(s)]),
+        f"training          {s.total_steps} optimizer steps{evaluation}; lr {lr_schedule(*schedule)}",
+        *describe_lr(*schedule)[1:],  # a warmup longer than the run
+        f"device            {rt.device.type} x {rt.world_size} ({rt.backend}){mesh}, threads {runtime.threads_used()}",
+        f"layout            {layout}",
+        *([f"micro batch       {s.plan.micro_batch} ({s.micro_reason})"] if s.micro_reason != "as requested" else []),
+        f"precision         {s.settings.describe(with_source='accelerate' in s.settings.source)}",
+        *(f"note              {note}" for note in s.settings.notes),
+        *describe_samples(s, cfg),
+        *_conditions(s, resume),
+        f"output            {s.output_dir}",
+    ]
+    return lines
+
+
+def describe_samples(s: Setup, cfg: TrainConfig) -> list[str]:
+    if s.sample_prompts is None:
+        return []
+    n = len(s.sample_prompts.ids)
+    every = f"every {cfg.sample_every} steps and at the end" if cfg.sample_every else "at the end"
+    return [
+        f"samples           {n} prompt{'s' if n != 1 else ''} ({s.sample_prompts.path}), {cfg.sample_tokens} greedy "
+        f"tokens {every} -> samples.jsonl"
+    ]
+
+
+def _conditions(s: Setup, resume: str | None) -> list[str]:
+    """What only some runs print: a stale lock taken over, a resume."""
+    lines = []
+    if s.lock is not None and s.lock.took_over is not None:
+        lines.append(
+            f"note              took over the stale lock of a run that is gone ({s.lock.took_over.describe()})"
+        )
+    if s.resume is not None:
+        auto = resume == RESUME_AUTO
+        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+    elif resume == RESUME_AUTO:
+        lines.append(
+            f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint_meta.CHECKPOINTS}, starting fresh"
+        )
+    return lines
 
 
 def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
@@ -106,16 +172,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"micro batch       {s.plan.micro_batch} ({s.micro_reason})",
         f"sync policy       {s.decision.policy} ({s.decision.reason})",
         *(f"note              {note}" for note in s.settings.notes),
+        *describe_samples(s, cfg),
+        *_conditions(s, resume),
     ]
-    if s.lock is not None and s.lock.took_over is not None:
-        lines.append(
-            f"note              took over the stale lock of a run that is gone ({s.lock.took_over.describe()})"
-        )
-    if s.resume is not None:
-        auto = resume == RESUME_AUTO
-        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
-    elif resume == RESUME_AUTO:
-        lines.append(
-            f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint_meta.CHECKPOINTS}, starting fresh"
-        )
     return lines

@@ -11,7 +11,7 @@ import torch
 from accum_cli.config.settings import TrainConfig
 from accum_cli.parallel import runtime
 from accum_cli.run.setup import Setup
-from accum_cli.rundir import checkpoint, export, outdir, report, tracking
+from accum_cli.rundir import checkpoint, export, outdir, report, samples, tracking
 from accum_cli.rundir.metrics import keep_metrics_until
 
 
@@ -75,6 +75,7 @@ def write_run_record(s: Setup, start_step: int, record: dict) -> None:
     if s.resume is not None:
         tracking.remember_sent(out)
         keep_metrics_until(out, start_step)
+        samples.keep_until(out, start_step)
     else:  # a fresh run (--overwrite): nothing of the old run may be mistaken for this one's
         outdir.clear_previous_run(out)
         tracking.forget_sent(out)
@@ -82,3 +83,19 @@ def write_run_record(s: Setup, start_step: int, record: dict) -> None:
     if removed:
         print(f"removed what an interrupted save left: {', '.join(removed)}", flush=True)
     (out / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def artefacts(output_dir: Path, last_checkpoint: Path, trackers: list[str]) -> list[str]:
+    """The closing summary's lines on what this run folder now holds, each named by its path."""
+    lines = [f"checkpoint        {last_checkpoint} (--resume auto continues from the newest)"]
+    for name, what in (
+        ("metrics.jsonl", "metrics      "),
+        (outdir.REPORT, "report       "),
+        ("samples.jsonl", "samples      "),
+        ("config.json", "config       "),
+    ):
+        if (output_dir / name).is_file():
+            lines.append(f"{what}     {output_dir / name}")
+    if trackers:  # those that write files put them here (tracking.py); the others name their own place
+        lines.append(f"trackers          {output_dir / outdir.TRACKERS} ({', '.join(trackers)})")
+    return lines

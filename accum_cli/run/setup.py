@@ -14,7 +14,7 @@ import torch.distributed as dist
 from accum_cli.config import policy
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
-from accum_cli.data import cache, formats, isolate, prepare, sources, stream
+from accum_cli.data import cache, formats, isolate, prepare, prompts, sources, stream
 from accum_cli.errors import UserError
 from accum_cli.memory import layout
 from accum_cli.model import load as modeling
@@ -62,6 +62,7 @@ class Setup:
     lock: outdir.RunLock | None  # rank 0's hold on the output dir (None elsewhere, or for --prepare-only)
     streaming: str  # how the stream is read ("" for prepared data)
     replayed_s: float | None  # --streaming resume: seconds spent reading the stream to the checkpoint's sample
+    sample_prompts: prompts.Prompts | None  # --sample-prompts as token ids (None without)
 
 
 def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
@@ -83,6 +84,8 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     seq_len = resolve_seq_len(cfg, model_config)
     sources.check_exists(cfg.dataset)
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
+    if cfg.sample_prompts is not None:  # the chat template is checked once the tokenizer is loaded (setup)
+        prompts.read(cfg.sample_prompts)
     shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
     if meta is not None and meta.fingerprint != checkpoint_meta.fingerprint(shapes):
         raise UserError(
@@ -97,12 +100,13 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     out, meta, source, model_config, seq_len, shapes = preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume)
     tokenizer = modeling.load_tokenizer(source, cfg.trust_remote_code)
     vocab_size = getattr(model_config, "vocab_size", None)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    sample_prompts = prompts.load(cfg.sample_prompts, tokenizer, cfg.sample_tokens, max_positions, vocab_size)
     options = formats.Options(seq_len, cfg.text_column, cfg.packing, cfg.train_on_prompt, vocab_size, cfg.chat_eos)
     prepare.check_num_proc(cfg.num_proc)
     eval_key, raw_eval = None, None
     if cfg.streaming:  # the stream is read as training goes: datasets stays in this process
         raw = sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code, streaming=True)
-        max_positions = getattr(model_config, "max_position_embeddings", None)
         name = cfg.dataset or "(the embedded corpus)"
         streamed = stream.open_source(raw, name, tokenizer, options, cfg.seed, cfg.shuffle_buffer, max_positions)
         data_key = stream.identity(cfg.dataset, cfg.dataset_config, cfg.split, streamed)
@@ -224,7 +228,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision,
         micro_reason, size, checkpoint_meta.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
-        lock, stream.describe(streamed) if cfg.streaming else "", replayed,
+        lock, stream.describe(streamed) if cfg.streaming else "", replayed, sample_prompts,
     )  # fmt: skip
 
 

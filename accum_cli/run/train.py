@@ -19,15 +19,17 @@ from accum_cli.model import compiling, wrap
 from accum_cli.parallel import sharding
 from accum_cli.parallel.sharding import COMPILE_DECIDED_AFTER, ShardSettings
 from accum_cli.run.data_setup import pad_id_of
-from accum_cli.run.header import describe_run, with_default_lr
-from accum_cli.run.record import refresh_report, run_name, run_record_of, save_final_model, write_run_record
+from accum_cli.run.header import describe_run, summarize_run, with_default_lr
+from accum_cli.run.record import artefacts, refresh_report, run_name, run_record_of, save_final_model, write_run_record
 from accum_cli.run.setup import Setup, setup
 from accum_cli.run.signals import StopRequest
 from accum_cli.rundir import checkpoint, export, outdir, tracking
 from accum_cli.rundir.metrics import Reporter, flops_per_token, print_lines
+from accum_cli.rundir.samples import SampleLog
 from accum_cli.step import optim
 from accum_cli.step.evaluate import eval_loss
 from accum_cli.step.loop import check_finite_parameters, train_step
+from accum_cli.step.sample import greedy
 
 
 class Preempted(Exception):
@@ -47,8 +49,13 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
         cfg = with_default_lr(cfg, s.source.has_weights)
         try:
             if s.rt.is_main:
-                print_lines(s.plan.describe(s.seq_len), "plan")
-                print_lines(describe_run(s, cfg, resume, lr_given), "run")
+                packed = s.stats is None or s.stats.packed
+                if cfg.verbose or prepare_only:  # preparing only: the data's every detail is the report
+                    print_lines(s.plan.describe(s.seq_len, packed), "plan")
+                    print_lines(describe_run(s, cfg, resume, lr_given), "run")
+                else:
+                    print_lines(s.plan.summary(s.seq_len, packed), "plan")
+                    print_lines(summarize_run(s, cfg, resume, lr_given), "run")
             if prepare_only:
                 return {"samples": s.stats.samples}
             return train(s, cfg)
@@ -110,9 +117,18 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         loss, tokens = eval_loss(model, eval_reader, rt.rank, rt.world_size, plan.micro_batch, rt.device)
         return {"eval_loss": loss, "eval_loss_tokens": tokens}
 
+    sample_log = SampleLog(s.output_dir, s.sample_prompts, s.tokenizer, rt.is_main) if s.sample_prompts else None
+
+    def sample(done: int, samples: int, trackers: tracking.Trackers) -> None:
+        """Collective: --sample-prompts completed after step `done` (before its checkpoint: see rundir/samples.py)."""
+        if sample_log is None or not (done == end or (cfg.sample_every and done % cfg.sample_every == 0)):
+            return
+        completions = greedy(model, s.sample_prompts.ids, cfg.sample_tokens, rt.device)
+        sample_log.write(done, samples, reporter.tokens_total, completions, trackers)
+
     reporter = Reporter(
         s.output_dir, s.total_steps, rt.device, rt.is_main, start_step, per_token_flops(s), rt.world_size,
-        cfg.log_every,
+        cfg.log_every, None if s.stats is None or s.stats.packed else plan.global_batch * s.seq_len,
     )  # fmt: skip
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here the loop's StopRequest answers it, as before
     with StopRequest() as stop, reporter, contextlib.closing(trackers or tracking.Trackers.none()) as trackers:
@@ -135,6 +151,7 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             done = step + 1
             seconds = time.perf_counter() - started
             trackers.log(reporter.step(step, result, seconds, evaluate(done)))
+            sample(done, samples, trackers)
             if s.settings.compile_auto and done - start_step == COMPILE_DECIDED_AFTER and done < end:
                 decide_compile(model, s.settings, end - done, seconds, rt)
             if done < end and stop.agreed(rt.device):  # the last step just finishes
@@ -172,9 +189,9 @@ def build(s: Setup, cfg: TrainConfig):
         gathers = wrap.vocabulary_gathers(model, hostmem.LEAN_THRESHOLD_BYTES) if host else []
         if gathers and hostmem.give_back_before(gathers):  # host is set only where mallopt is
             host += f"; the heap's free pages too, before each gather of {len(gathers)} vocabulary matrix(es)"
-    if host and rt.is_main:
+    if host and rt.is_main and cfg.verbose:
         print(f"  {'host memory':<18}{host}", flush=True)
-    if rt.is_main:
+    if rt.is_main and cfg.verbose:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
         print(f"  {'loss':<18}{fused_loss.describe(model)}", flush=True)
         if (in_place := vocab_parallel.describe(model)) is not None:
@@ -252,7 +269,7 @@ def finish(s: Setup, cfg: TrainConfig, model, last: Path, end: int, reporter: Re
                 f"final loss        {summary.get('loss', float('nan')):.4f}",
                 f"tokens            {reporter.tokens_total:,} in {summary.get('elapsed_s', 0):.1f} s",
                 f"model             {s.output_dir / 'final'} ({str(export_dtype).removeprefix('torch.')})",
-                f"metrics           {s.output_dir / 'metrics.jsonl'}",
+                *artefacts(s.output_dir, last, tracking.parse(cfg.report_to)),
             ],
             "done",
         )

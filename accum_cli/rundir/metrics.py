@@ -57,6 +57,7 @@ class Reporter:
         flops_per_token: float | None = None,
         world_size: int = 1,
         log_every: int | None = None,
+        tokens_at_most: int | None = None,
     ):
         peak = peak_flops(device)
         # MFU: achieved model FLOP/s over the peak of every GPU in the job (CUDA only).
@@ -64,6 +65,7 @@ class Reporter:
         self.flops_per_token = flops_per_token
         self.enabled = enabled
         self.log_every = log_every
+        self.tokens_at_most = tokens_at_most  # rows, not packed blocks: the header gave only this bound
         self.total_steps = total_steps
         self.start_step = start_step
         self.device = device
@@ -130,14 +132,22 @@ class Reporter:
             )
             + (f"  eval {record['eval_loss']:.4f}" if "eval_loss" in record else "")
         )
-        logged = self._should_log(step) or "eval_loss" in record
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, status=status)
-            if logged:  # above the bar, to stay: the bar shows only the latest step
-                self._progress.console.print(f"step {step + 1}/{self.total_steps}  {status}", markup=False)
-        elif logged:
-            print(f"step {step + 1}/{self.total_steps}  {status}", flush=True)
+        if self._should_log(step) or "eval_loss" in record:
+            self._print(f"step {step + 1}/{self.total_steps}  {status}")
+        if self.tokens_at_most and step == self.start_step:
+            self._print(
+                f"tokens per step   {result.tokens:,} in step {step + 1}, of at most {self.tokens_at_most:,} "
+                "(rows are as long as they are)"
+            )
         return record
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:  # above the bar, to stay: the bar shows only the latest step
+            self._progress.console.print(line, markup=False)
+        else:
+            print(line, flush=True)
 
     def _should_log(self, step: int) -> bool:
         if self.log_every:

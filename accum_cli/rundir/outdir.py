@@ -29,7 +29,7 @@ from accum_cli.errors import UserError
 
 MARKER = ".accum-train"
 LOCK = ".accum-train.lock"
-RECORD_FILES = ("config.json", "metrics.jsonl")  # written by a run into its folder
+RECORD_FILES = ("config.json", "metrics.jsonl", "samples.jsonl")  # written by a run into its folder
 OWN_FOLDERS = ("checkpoints", "final")
 REPORT = "report.png"  # drawn by report.py
 TRACKERS = "trackers"  # the trackers' folder (tracking.py): its ids.json, and what each tracker writes there
@@ -46,7 +46,8 @@ def temporary(path: Path) -> Path:
 # folder there. A link at any of them would take the write to a file or folder elsewhere (`trackers` linked to a
 # folder of the user's would get W&B's files and lose its ids.json); a name of the other kind would stop the run
 # halfway (no file can be renamed over a folder named ids.json). `checkpoints/` and `trackers/` hold more: see _links.
-_RENAMED_OVER = ("metrics.jsonl", REPORT, f"{TRACKERS}/{TRACKER_IDS}")  # written beside, at temporary(name), first
+# Written beside, at temporary(name), first:
+_RENAMED_OVER = ("metrics.jsonl", "samples.jsonl", REPORT, f"{TRACKERS}/{TRACKER_IDS}")
 OWN_NAMES = {
     **dict.fromkeys((LOCK, MARKER, *RECORD_FILES, REPORT, f"{TRACKERS}/{TRACKER_IDS}"), False),
     **{temporary(Path(name)).as_posix(): False for name in _RENAMED_OVER},

@@ -226,8 +226,27 @@ class Trackers:
             if record["step"] >= first:
                 tracker.log(values, step=record["step"])
 
+    def log_samples(self, step: int, rows: list[tuple[str, str]]) -> None:
+        """A sample step's (prompt, completion) pairs as text: a table in W&B, a Markdown table in
+        TensorBoard's text tab (both at the step, each step once as for the metrics); other trackers
+        have no text (samples.jsonl has it all)."""
+        for tracker, first in self.trackers:
+            if step < first:
+                continue
+            if tracker.name == "wandb":
+                tracker.log_table("samples", columns=["prompt", "completion"], data=[list(r) for r in rows], step=step)
+            elif tracker.name == "tensorboard":
+                table = "".join(f"\n| {_cell(prompt)} | {_cell(completion)} |" for prompt, completion in rows)
+                tracker.log({"samples": "| prompt | completion |\n| --- | --- |" + table}, step=step)
+
     def close(self) -> None:
         """Finish every tracker: W&B's writer runs in a service process and trackio's in a thread, and
         the process ends with os._exit (runtime.exit_process), which waits for neither."""
         for tracker, _ in self.trackers:
             tracker.finish()
+
+
+def _cell(text: str) -> str:
+    """Text as one cell of a Markdown table: its bars escaped, its line breaks as <br>, shown as written."""
+    escaped = text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace("`", "\\`")
+    return escaped.replace("\r\n", "<br>").replace("\n", "<br>")
