@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory gpu-check mutants clean
+.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory bench-replicate gpu-check mutants clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,10 @@ bench-peers: setup
 # Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~6 min).
 bench-memory: setup
 	$(BIN)/python bench/memory.py
+
+# The replicated layout's hand-written gradient sum vs FSDP2 replicate, HSDP 2x1 and DDP no_sync: speed, memory, exactness (~5 min).
+bench-replicate: setup
+	$(BIN)/python bench/replicate.py
 
 # One CUDA GPU: the memory estimate vs the GPU, then accum-train vs hand-written FSDP2 and the HF Trainer on a
 # 1B Llama (~5.5 min on an H100, 7 at most). No setup (it would install the CPU torch): the machine's own
