@@ -134,7 +134,9 @@ def test_the_header_fits_a_glance_and_verbose_has_every_detail(root, tmp_path):
     them all. Rows are not packed: tokens per step is a bound, and step 1 says what it held. The closing
     summary names every artefact the run wrote."""
     out = tmp_path / "short"
-    result = run_cli([*args(root, out, "answers.jsonl"), "--report-to", "tensorboard"])
+    result = run_cli(
+        [*args(root, out, "answers.jsonl"), "--report-to", "tensorboard"], env_extra={"ACCUM_TRAIN_REPORT": "1"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     short = header(result.stdout)
     assert len(short) <= 13, "\n".join(short)
@@ -152,8 +154,11 @@ def test_the_header_fits_a_glance_and_verbose_has_every_detail(root, tmp_path):
                      "trackers (tensorboard)"):  # fmt: skip
         assert f"{out}/{artefact}" in done, (artefact, done)
 
-    verbose = run_cli([*args(root, tmp_path / "verbose", "answers.jsonl"), "--verbose"])
+    verbose = run_cli(
+        [*args(root, tmp_path / "verbose", "answers.jsonl"), "--verbose"], env_extra={"ACCUM_TRAIN_REPORT": "0"}
+    )
     assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    assert not (tmp_path / "verbose" / "report.png").exists() and "report.png" not in verbose.stdout  # not drawn
     full = "\n".join(header(verbose.stdout))
     for detail in ("wrapped ", "tokenisation ", "format            prompt-completion", "attention    "):
         assert detail in full, (detail, full)

@@ -293,7 +293,7 @@ def test_report_png_pictures_the_run_and_accum_report_compares_runs(root, tmp_pa
     runs = []
     for lr in ("3e-3", "1e-3"):
         out = tmp_path / f"lr-{lr}"
-        result = run_cli(args(root, out, 4, "--lr", lr, "--log-every", "2"))
+        result = run_cli(args(root, out, 4, "--lr", lr, "--log-every", "2"), env_extra={"ACCUM_TRAIN_REPORT": "1"})
         assert result.returncode == 0, result.stdout + result.stderr
         assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")] == ["2/4", "4/4"]
         runs.append(out)

@@ -4,6 +4,7 @@ picture (report.png), and the final model, as one collective with a one-line fai
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -21,8 +22,9 @@ def run_name(cfg: TrainConfig) -> str:
 
 
 def refresh_report(output_dir: Path) -> None:
-    """Rank 0: redraw report.png (loss, lr, grad norm, tokens/s, memory) when matplotlib is there."""
-    if not report.available():
+    """Rank 0: redraw report.png (loss, lr, grad norm, tokens/s, memory) when matplotlib is there, unless
+    ACCUM_TRAIN_REPORT=0: a draw holds rank 0 (and the ranks waiting for it) about a second per checkpoint."""
+    if not report.available() or os.environ.get("ACCUM_TRAIN_REPORT", "1").strip() == "0":
         return
     try:
         report.draw([output_dir], output_dir / report.REPORT)
