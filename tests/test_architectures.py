@@ -184,7 +184,7 @@ def train_in_process(args: list[str]) -> tuple[dict, str]:
 
 def assert_matches(step: dict, ref: tuple[float, float]) -> None:
     errors = rel_err(step["loss"], ref[0]), rel_err(step["grad_norm"], ref[1])
-    print(f"rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")  # the figures README quotes (pytest -s)
+    print(f"rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")  # the figures docs/MODELS.md quotes (pytest -s)
     assert errors[0] < TOL, (step["loss"], ref[0])
     assert errors[1] < TOL, (step["grad_norm"], ref[1])
 
@@ -285,7 +285,7 @@ def test_moe_router_balancing_loss_is_exact_under_accumulation(workdir, moe_aux,
 
 def test_moe_router_balancing_loss_per_microbatch_is_close(workdir, moe_aux, tmp_path):
     """--moe-aux-loss microbatch: the cross-entropy part is exact; the balancing term, each
-    microbatch's own weighted by its token share, is close to the big batch's (README)."""
+    microbatch's own weighted by its token share, is close to the big batch's (docs/MODELS.md)."""
     model_dir, with_aux, ce_only = moe_aux
     args = [*cli_args(model_dir, workdir / "data.jsonl", tmp_path / "run", 5, "every"), "--moe-aux-loss", "microbatch"]
     step, output = train_in_process(args)

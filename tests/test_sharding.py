@@ -82,7 +82,7 @@ def test_what_cannot_be_honoured_is_said(accelerate_env):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_precision_flags_hold_on_every_device(device):
     """--precision bf16 and fp32 mean the same on every device; auto is bf16 on CUDA and fp32 on a CPU,
-    whose bf16 speed depends on the processor (README: precision on CPU)."""
+    whose bf16 speed depends on the processor (docs/MEMORY.md, Precision)."""
     assert sharding.resolve(TrainConfig(precision="bf16"), device).bf16
     assert not sharding.resolve(TrainConfig(precision="fp32"), device).bf16
     assert sharding.resolve(TrainConfig(precision="auto"), device).bf16 == (device == "cuda")

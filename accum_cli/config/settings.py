@@ -81,7 +81,7 @@ class TrainConfig:
     num_proc: int | None = option(None, "Worker processes that tokenise a big corpus.", MODEL_DATA,
                                   none_means="the CPU cores this process may use", ge=1, le=1024)  # fmt: skip
     streaming: bool = option(False, "Read the dataset as a stream, tokenised and packed on the fly, instead of "
-                             "preparing it ahead (needs --max-steps; see README, Streaming).", MODEL_DATA)  # fmt: skip
+                             "preparing it ahead (needs --max-steps; see docs/DATA.md).", MODEL_DATA)  # fmt: skip
     shuffle_buffer: int = option(10000, "--streaming: samples held in the seeded shuffle buffer; 0 keeps the "
                                  "stream's order.", MODEL_DATA, ge=0)  # fmt: skip
     trust_remote_code: bool = option(False, "Run code shipped with the model or dataset.", MODEL_DATA)
@@ -102,7 +102,7 @@ class TrainConfig:
                                 BATCH)  # fmt: skip
     max_steps: int | None = option(None, "Optimizer steps.", BATCH, none_means="--epochs passes over the data", ge=1)
     epochs: float = option(1.0, "Passes over the data when --max-steps is not given.", BATCH, gt=0, le=1_000_000)
-    sync: str = option(policy.AUTO, "When gradients are reduced across ranks (see README, Sync policies).", BATCH,
+    sync: str = option(policy.AUTO, "When gradients are reduced across ranks (see docs/MEMORY.md).", BATCH,
                        choices=policy.POLICIES)  # fmt: skip
     device_memory_gib: float | None = option(None, "Memory per rank the auto sync policy may plan with.", BATCH,
                                              none_means="read from the device", gt=0, le=2**30)  # fmt: skip

@@ -50,7 +50,7 @@ def describe(config, mode: str) -> str | None:
     if mode == EXACT:
         how = "exact: expert choices counted over the whole step first (one extra forward without gradient)"
     else:
-        how = "each microbatch's own, weighted by its token share (approximate under accumulation, see README)"
+        how = "each microbatch's own, weighted by its token share (approximate under accumulation, see docs/MODELS.md)"
     return f"{coef:g} x load balancing, {how}"
 
 
