@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from accum_cli.cli import options
+from accum_cli.cli import options, verify_cli
 from accum_cli.cli.launcher import WRAPPED
 from accum_cli.config.settings import (
     BATCH,
@@ -152,10 +152,14 @@ def main(
     """Train, or with --plan print the batch plan and exit.
 
     Example: accum-train --global-batch 2048 --micro-batch 4
+
+    accum-train verify [flags] [--verify-steps K] [--json]: run the first K (1) steps twice, as configured and
+    as one big batch, and report whether they agree (exit 0) or not (exit 1); nothing is written.
     """
     wants_launch = nproc is not None or accelerate_config is not None
     try:
         cfg = build_config(recipe, flags)
+        verify_cli.refuse_other_modes(print_config, plan, prepare_only, resume)
         if print_config:
             print(as_recipe(cfg, PRINT_CONFIG_HEAD), end="")
             return
@@ -181,7 +185,8 @@ def main(
             if plan:
                 raise UserError("--plan does not start processes; drop --nproc, or use --world-size with --plan")
             spec = (nproc, nnodes, node_rank, master_addr, master_port, accelerate_config)
-            launch(cfg, resume, ctx.meta["raw_args"], *spec)
+            with verify_cli.output_dir_for_launch(cfg) as checked:
+                launch(checked, resume, verify_cli.worker_args() + ctx.meta["raw_args"], *spec)
             return
         if plan:
             from accum_cli.run.planning import plan_only
@@ -198,7 +203,14 @@ def main(
 
         watch_launcher()
         try:
-            run(cfg, resume, prepare_only)
+            if verify_cli.requested() is None:
+                run(cfg, resume, prepare_only)
+            else:
+                from accum_cli.run.verify import verify
+
+                code = verify(cfg, verify_cli.requested().steps, verify_cli.requested().as_json)
+                if code:
+                    raise SystemExit(code)
         except NonFiniteError as exc:
             fail(f"non-finite values at {exc}; the last checkpoint is untouched", EXIT_NONFINITE)
         except SaveFailed as exc:
@@ -259,7 +271,11 @@ def launch(cfg, resume, raw_args, nproc, nnodes, node_rank, master_addr, master_
 def entry() -> None:
     """Console script: run, then end the process without interpreter finalisation (runtime.py)."""
     try:
-        app(prog_name="accum-train")
+        try:
+            args = verify_cli.take(sys.argv[1:])
+        except UserError as exc:
+            fail(str(exc))
+        app(args=args, prog_name="accum-train")
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
