@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from accum_cli.config import policy, recipe
+from accum_cli.config import batch_tokens, policy, recipe
 from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
 from accum_cli.errors import UserError
 
@@ -65,7 +65,9 @@ class TrainConfig:
     )
     text_column: str = option("text", "Column with raw text (not used for input_ids data).", MODEL_DATA)
     packing: bool | None = option(
-        None, "Join documents with EOS into --seq-len blocks, or one document per row (truncated, padded).",
+        None, "Text: join documents with EOS into --seq-len blocks. Chat, prompt-completion, tokens: place whole rows "
+        "into --seq-len sequences, each row attending to itself only (needs a model that takes position ids). "
+        "--no-packing: one document per row (truncated, padded).",
         MODEL_DATA, none_means="packing for text, rows for chat/prompt-completion/tokens",
     )  # fmt: skip
     train_on_prompt: bool = option(False, "Chat and prompt-completion data: count every token, not only the answers.",
@@ -96,6 +98,10 @@ class TrainConfig:
     # Batch
     global_batch: int = option(64, "Sequences per optimizer step, over all ranks and microbatches.", BATCH, ge=1,
                                le=MAX_GLOBAL_BATCH)  # fmt: skip
+    global_batch_tokens: str | int | None = option(
+        None, "The global batch in tokens per optimizer step, N / --seq-len sequences (needs --seq-len); K, M, B "
+        "are decimal: 4M is 4,000,000.", BATCH, none_means="--global-batch",
+    )  # fmt: skip
     micro_batch: str | int = option(8, "Sequences per forward/backward on one rank, or auto: the most that fit "
                                     "(from the memory estimate).", BATCH, ge=1)  # fmt: skip
     strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
@@ -326,6 +332,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                     f'holds only {", ".join(RUN_RECORD_KEYS)}; put options under "config"'
                 )
         raw = raw["config"]
+        if raw.get("global_batch_tokens") is not None:  # its global_batch was derived from it
+            raw = {k: v for k, v in raw.items() if k != "global_batch"}
     overrides = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_") if isinstance(key, str) else None
@@ -362,13 +370,19 @@ def build_config(recipe_path: str | None, cli_overrides: dict[str, Any]) -> Trai
     if recipe_path is not None and not recipe_path.strip():  # "" from an unset shell variable
         raise UserError("--recipe is empty; pass a YAML file (or a run's config.json), or leave the flag out")
     values = load_recipe(recipe_path) if recipe_path else {}
-    values.update({k: v for k, v in cli_overrides.items() if v is not None})
-    return TrainConfig(**values).validate()
+    values = batch_tokens.layered(values, {k: v for k, v in cli_overrides.items() if v is not None}, recipe_path)
+    cfg = TrainConfig(**values).validate()
+    if cfg.global_batch_tokens is not None:  # downstream sees an ordinary global batch
+        cfg.global_batch = batch_tokens.sequences(cfg.global_batch_tokens, cfg.seq_len, MAX_GLOBAL_BATCH)
+    return cfg
 
 
 def as_recipe(cfg: TrainConfig, head: str) -> str:
     """The configuration as recipe YAML, its keys grouped by --help panel; a null says in a comment
     what it means (`lr: null  # 2e-5 for pretrained weights, ...`), as --help does."""
     values = cfg.to_dict()
-    sections = [(panel, {n: values[n] for n, f in FIELDS.items() if f.metadata["panel"] == panel}) for panel in PANELS]
+    if cfg.global_batch_tokens is not None:  # global_batch follows from it: a recipe gives one of the two
+        del values["global_batch"]
+    sections = [(panel, {n: values[n] for n, f in FIELDS.items() if f.metadata["panel"] == panel and n in values})
+                for panel in PANELS]  # fmt: skip
     return recipe.dump(sections, head, {n: f.metadata["none_means"] for n, f in FIELDS.items()})
