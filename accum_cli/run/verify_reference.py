@@ -38,7 +38,8 @@ def forwards(first: int, global_batch: int, per_forward: int) -> list[range]:
 
 def one_process(s: Setup, cfg: TrainConfig, per_forward: int, bf16: bool):
     """The reference built: its initial parameters, and `take_step(step)`, which runs optimizer step
-    `step` (from 0) and returns (loss, grad norm, {name: fp32 CPU copy of the parameter after the step})."""
+    `step` (from 0) and returns (loss, grad norm, {name: fp32 CPU copy of the parameter after the step},
+    {name: its gradient's norm as AdamW received it})."""
     device = s.rt.device
     model = load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -58,7 +59,7 @@ def one_process(s: Setup, cfg: TrainConfig, per_forward: int, bf16: bool):
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     G = s.plan.global_batch
 
-    def take_step(step: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+    def take_step(step: int) -> tuple[float, float, dict[str, torch.Tensor], dict[str, float]]:
         batches = [reader.read(indices).to(device) for indices in forwards(step * G, G, per_forward)]
         loss_tokens = sum(mb.loss_tokens for mb in batches)
         total = 0.0
@@ -78,10 +79,11 @@ def one_process(s: Setup, cfg: TrainConfig, per_forward: int, bf16: bool):
             loss.backward()
             total += float(loss.detach())
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        gradients = {plain_name(n): float(p.grad.norm()) for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        return total, norm, copies(model)
+        return total, norm, copies(model), gradients
 
     return copies(model), take_step
 

@@ -13,8 +13,12 @@ by about lr whatever the size of its gradient, so rounding that changes a gradie
 zero (|g| ~ eps) moves that weight by up to 2 lr: noise that grows with lr, never with the weights.
 A fixed 1e-5 of the weights fails a correct fp32 run at lr 1e-2 (measured 6.1e-5, one element of
 8192 off by 1.2% of lr). Measured as a share of the movement, on the tiny models of
-tests/test_verify.py at lr 1e-3 and 1e-2, W=1 and 2, both layouts, 3 steps: fp32 at most 1.5e-4
-(held to 1e-3); bf16 at most 0.25, one flipped element of a 64-element norm weight (held to 0.5).
+tests/test_verify.py at lr 1e-3 and 1e-2, W=1 and 2, both layouts, 3 steps: fp32 at most 1.5e-4;
+over the 21 architectures of tests/test_architectures.py, up to 3.4e-3 (OPT's ReLU fc1, whose units
+alive on few tokens have gradients that cancel to near zero): fp32 is held to 1e-2, which a quarter of
+a thousandth of a tensor's elements flipping would reach; bf16 at most 0.25, one flipped element of a
+64-element norm weight (held to 0.5). Tensors whose whole gradient is rounding noise (NOISE_FLOOR of
+the step's gradient: an attention key's bias, which softmax cancels) are left out, by name.
 The classic normalisation bug moves the weights otherwise by about 1.0 of the movement; in bf16 the
 gradient norm catches it first (0.22, 22 times its tolerance).
 """
@@ -33,7 +37,10 @@ TOLERANCE = {
     "bf16": {LOSS: 1e-3, GRAD_NORM: 1e-2, PARAMETERS: 1e-5},
 }
 # The parameters may also differ by this share of how far the steps moved them (module docstring).
-MOVEMENT = {"fp32": 1e-3, "bf16": 0.5}
+MOVEMENT = {"fp32": 1e-2, "bf16": 0.5}
+# A tensor whose gradient norm is below this share of the step's whole gradient holds rounding noise
+# (fp32's 6e-8 and bf16's 4e-3 units of rounding, with room): its parameters are left out of the check.
+NOISE_FLOOR = {"fp32": 1e-7, "bf16": 1e-4}
 
 
 def parameter_tolerance(precision: str, moved):
