@@ -27,7 +27,8 @@ def no_process_group_leaks():
 LONGEST_FIRST = (
     "test_launchers.py", "test_estimate.py", "test_checkpoint.py", "test_equivalence.py", "test_bad_input.py",
     "test_trust.py", "test_architectures.py", "test_data.py", "test_isolate.py", "test_see_the_run.py",
-    "test_reruns.py", "test_hostmem.py",
+    "test_reruns.py", "test_readme.py", "test_verify.py", "test_hostmem.py", "test_samples.py",
+    "test_report_picture.py",
 )  # fmt: skip
 
 

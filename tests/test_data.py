@@ -127,8 +127,8 @@ def test_pretokenised_rows_padded_packed_or_truncated(model, tmp_path):
     as_is = summary()
     assert "format            tokens, one document per row" in as_is
     assert "tokens            92 " in as_is  # attention_mask zeros dropped: 8 + 18 + 28 + 38
-    packed = summary("--packing", "--seq-len", "16")
-    assert "samples           5;" in packed  # 92 tokens // 16
+    packed = summary("--packing", "--seq-len", "16")  # rows stay whole, stored as rows; packed when read
+    assert "format            tokens, one document per row" in packed and "tokens            92 " in packed
     truncated = summary("--no-packing", "--seq-len", "16")
     assert "truncated         3 documents" in truncated
 
@@ -428,12 +428,9 @@ def test_a_large_vocabulary_takes_four_bytes_and_ids_round_trip(model, tmp_path)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 128_256, int(n)).tolist() for n in rng.integers(3, 60, 200)]
     raw = datasets.Dataset.from_dict({"input_ids": rows})
-    data, stats, _ = prepare_here(raw, None, formats.Options(64, packing=True, vocab_size=128_256))
-    stream = [t for row in rows for t in row]
-    assert [data.sample(i)[0].tolist() for i in range(len(data))] == [
-        stream[i * 64 : (i + 1) * 64] for i in range(len(stream) // 64)
-    ]
-    assert max(stream) > 65_535 and stats.stored_bytes / stats.tokens <= 4.5
+    data, stats, _ = prepare_here(raw, None, formats.Options(64, packing=False, vocab_size=128_256))
+    assert [data.sample(i)[0].tolist() for i in range(len(data))] == rows
+    assert max(max(row) for row in rows) > 65_535 and stats.stored_bytes / stats.tokens <= 4.5
 
 
 @pytest.mark.parametrize("fmt", ["chat", "prompt-completion", "tokens"])
@@ -616,19 +613,28 @@ def test_a_read_only_cache_is_refused_in_one_line(model, tmp_path, monkeypatch):
 
 
 def test_packed_rows_with_labels_keep_their_mask(model):
-    """Pre-tokenised rows packed into blocks: each block's loss positions are those whose label
-    is not -100, after the first position, counted here by hand."""
+    """Pre-tokenised rows packed whole (--packing, packing.py): each sequence holds its rows' labels back to
+    back, each row's first label -100 (it would be predicted from the row before), and position ids
+    that start again at 0 with each row; the loss positions are those of the rows unpacked."""
     import datasets
+
+    from accum_cli.data.packing import PackedRows
 
     g = np.random.default_rng(3)
     ids = [g.integers(3, 384, int(n)).tolist() for n in g.integers(2, 30, 60)]
     labels = [[-100 if g.random() < 0.4 else t for t in row] for row in ids]
     raw = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
-    data, stats, _ = prepare_here(raw, None, formats.Options(16, packing=True, vocab_size=384))
-    stream = [t for row in labels for t in row]
-    blocks = [stream[i * 16 : (i + 1) * 16] for i in range(len(stream) // 16)]
-    assert [data.sample(i)[1].tolist() for i in range(len(data))] == blocks
-    assert stats.loss_tokens == sum(1 for block in blocks for t in block[1:] if t != -100)
+    data, stats, _ = prepare_here(raw, None, formats.Options(64, packing=True, vocab_size=384))
+    packed = PackedRows(data, 64, seed=0)
+    assert len(data) == 60 and len(packed) < 30
+    counted = 0
+    for i, rows in enumerate(packed.bins):
+        got_ids, got_labels, positions = packed.sample(i)
+        assert got_ids.tolist() == [t for r in rows for t in ids[r]] and len(got_ids) <= 64
+        assert got_labels.tolist() == [t for r in rows for t in [-100, *labels[r][1:]]]
+        assert positions.tolist() == [p for r in rows for p in range(len(ids[r]))]
+        counted += int((got_labels[1:] != -100).sum())
+    assert stats.loss_tokens == counted == sum(1 for row in labels for t in row[1:] if t != -100)
 
 
 def test_chat_rows_that_are_not_turns_are_named(model):

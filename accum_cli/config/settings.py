@@ -70,6 +70,8 @@ class TrainConfig:
         "--no-packing: one document per row (truncated, padded).",
         MODEL_DATA, none_means="packing for text, rows for chat/prompt-completion/tokens",
     )  # fmt: skip
+    document_masking: bool = option(False, "Packed text: each document attends within itself only (position ids "
+                                    "restart after each EOS; changes the training).", MODEL_DATA)  # fmt: skip
     train_on_prompt: bool = option(False, "Chat and prompt-completion data: count every token, not only the answers.",
                                    MODEL_DATA)  # fmt: skip
     chat_eos: bool = option(False, "Chat data: end each assistant turn whose tokens hold no EOS with the tokenizer's "
@@ -235,6 +237,8 @@ class TrainConfig:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
         if self.streaming and self.max_steps is None:
             problems.append("--streaming needs --max-steps N: a stream has no known length to count --epochs in")
+        if self.streaming and self.document_masking:
+            problems.append("--document-masking needs prepared data; it is not available with --streaming")
         if self.streaming and self.eval_split_ratio:
             problems.append("--eval-split-ratio cannot hold out part of a stream; pass --eval-dataset with --streaming")
         if self.sample_every is not None and self.sample_prompts is None:

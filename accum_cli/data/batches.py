@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from accum_cli.data.packing import PackedRows
 from accum_cli.data.store import IGNORE_INDEX, Prepared
 
 
@@ -39,6 +40,7 @@ class Microbatch:
     attention_mask: torch.Tensor
     labels: torch.Tensor
     empty: bool = False  # a placeholder that holds no sample (see empty_microbatch)
+    position_ids: torch.Tensor | None = None  # packed rows (packing.py): each row's positions from 0
 
     @property
     def loss_tokens(self) -> int:
@@ -51,23 +53,39 @@ class Microbatch:
         return 0 if self.empty else int(self.attention_mask.sum())
 
     def to(self, device: torch.device) -> Microbatch:
+        positions = None if self.position_ids is None else self.position_ids.to(device, non_blocking=True)
         return Microbatch(
             *(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention_mask, self.labels)),
             empty=self.empty,
+            position_ids=positions,
         )
 
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's inputs. Packed rows give position ids and no attention mask: transformers then masks
+        attention block-diagonally, one block per run of positions counting up from 0 (padding is a run of
+        its own, and counts nowhere)."""
+        if self.position_ids is not None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
 
-def collate(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Microbatch:
-    """Right-pad (input_ids, labels) rows to the longest; padding is masked out of attention and of the loss."""
-    width = max(len(ids) for ids, _ in rows)
+
+def collate(rows: list[tuple[np.ndarray, ...]], pad_id: int) -> Microbatch:
+    """Right-pad (input_ids, labels) rows to the longest; padding is masked out of attention and of the loss.
+    Packed rows (input_ids, labels, position_ids) carry position ids; their padding's count up from 0."""
+    width = max(len(row[0]) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     target = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, labels) in enumerate(rows):
+    packed = len(rows[0]) == 3
+    positions = torch.arange(width).repeat(len(rows), 1) if packed else None
+    for i, (ids, labels, *rest) in enumerate(rows):
         input_ids[i, : len(ids)] = torch.from_numpy(ids)
         target[i, : len(ids)] = torch.from_numpy(labels)
         mask[i, : len(ids)] = 1
-    return Microbatch(input_ids, mask, target)
+        if packed:
+            positions[i, : len(ids)] = torch.from_numpy(rest[0])
+            positions[i, len(ids) :] = torch.arange(width - len(ids))
+    return Microbatch(input_ids, mask, target, position_ids=positions)
 
 
 def empty_microbatch(pad_id: int) -> Microbatch:
@@ -81,7 +99,7 @@ class MicrobatchReader:
     row index when there is no order (evaluation). Each read slices the memory-mapped files for
     just these samples: O(micro batch), whatever the corpus size."""
 
-    def __init__(self, dataset: Prepared, order: SampleOrder | None, pad_id: int):
+    def __init__(self, dataset: Prepared | PackedRows, order: SampleOrder | None, pad_id: int):
         self.dataset = dataset
         self.order = order
         self.pad_id = pad_id

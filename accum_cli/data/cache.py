@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accum_cli.data.formats import BUILDERS, Options, as_rows
+from accum_cli.data.formats import BUILDERS, Options, as_rows, rows_packed, stream_packed
 from accum_cli.data.store import FILE_DTYPES, IGNORE_INDEX, Prepared, damaged, read_meta, slices, token_dtype
 from accum_cli.data.store import FORMAT_VERSION as STORE_VERSION
 from accum_cli.errors import UserError
@@ -39,7 +39,10 @@ def cache_key(raw, tokenizer, options: Options, fmt: str) -> str:
     from datasets.fingerprint import Hasher
 
     fingerprint = as_rows(raw).fingerprint
-    return Hasher.hash([PREP_VERSION, fingerprint, fmt, asdict(options), tokenizer if fmt != "tokens" else None])
+    parts = [PREP_VERSION, fingerprint, fmt, asdict(options), tokenizer if fmt != "tokens" else None]
+    if rows_packed(options, fmt):  # stored as rows, unlike the stream-packed rows of older versions
+        parts.append("rows-bin-packed")
+    return Hasher.hash(parts)
 
 
 def cached(key: str, options: Options) -> tuple[Prepared, Stats] | None:
@@ -74,7 +77,7 @@ def validated(folder: Path, meta: object, key: str, options: Options) -> Stats:
         raise ValueError(f"meta.json records dtype {str(meta.get('dtype'))[:20]!r}, not the {dtype.name} of the ids")
     if meta.get("seq_len") != options.seq_len:
         raise ValueError(f"meta.json records seq_len {str(meta.get('seq_len'))[:20]}, not --seq-len {options.seq_len}")
-    packed = options.packing if options.packing is not None else stats.format == "text"  # as prepare.build decides
+    packed = stream_packed(options, stats.format)  # as prepare.build decides
     if meta.get("packed") is not packed or stats.packed is not packed:
         raise ValueError(f"meta.json records the {stats.format} rows as {'not ' if packed else ''}packed")
     samples, tokens = meta.get("samples"), meta.get("tokens")

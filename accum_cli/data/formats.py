@@ -22,6 +22,17 @@ class Options:
     chat_eos: bool = False  # chat: an assistant turn without the tokenizer's EOS gets one
 
 
+def stream_packed(options: Options, fmt: str) -> bool:
+    """Text packed as one stream of documents cut into --seq-len blocks (the default for text)."""
+    return fmt == "text" and options.packing is not False
+
+
+def rows_packed(options: Options, fmt: str) -> bool:
+    """--packing of chat, prompt-completion or pre-tokenised rows: stored as rows, then whole rows are
+    bin-packed into --seq-len sequences with position ids of their own (packing.py)."""
+    return fmt != "text" and options.packing is True
+
+
 def detect_format(columns: list[str], text_column: str) -> str:
     if "input_ids" in columns:
         return "tokens"

@@ -43,7 +43,7 @@ import numpy as np
 
 from accum_cli.data import isolate
 from accum_cli.data.cache import TMP_PREFIX, Stats, cache_key, cache_root, cached, publish, remove_abandoned, umask_now
-from accum_cli.data.formats import Options, as_rows, check, make_rows, row_error
+from accum_cli.data.formats import Options, as_rows, check, make_rows, row_error, stream_packed
 from accum_cli.data.sources import Rows
 from accum_cli.data.store import IGNORE_INDEX, Chunk, Prepared, Writer, token_dtype
 from accum_cli.errors import UserError, first_line
@@ -215,7 +215,7 @@ def build(rows: Rows, tokenizer, options: Options, fmt: str, key: str, num_proc:
         ) from None
     try:
         os.chmod(work, 0o777 & ~umask_now())  # mkdtemp's 0700 would hide a shared cache from colleagues
-        packed = options.packing if options.packing is not None else fmt == "text"
+        packed = stream_packed(options, fmt)  # rows packed by --packing are stored as rows
         needed = {"tokens": ["input_ids", "labels", "attention_mask"], "chat": ["messages"],
                   "prompt-completion": ["prompt", "completion"], "text": [options.text_column]}[fmt]  # fmt: skip
         columns = [c for c in needed if c in rows.columns]

@@ -71,7 +71,12 @@ def open_source(raw, name: str, tokenizer, options: formats.Options, seed: int, 
     if fmt != "tokens" and isinstance(first, dict):
         texts = formats.sample_texts({name: [value] for name, value in first.items()}, fmt, options.text_column)
         formats.check_tokenizer(tokenizer, texts)
-    packed = options.packing if options.packing is not None else fmt == "text"
+    if formats.rows_packed(options, fmt):  # whole rows with position ids of their own: prepared data only
+        raise UserError(
+            f"--packing of {fmt} rows packs whole rows from prepared data; it is not available with --streaming: "
+            "drop --streaming, or --packing to train one row per sequence"
+        )
+    packed = formats.stream_packed(options, fmt)
     job = prepare.Job(tokenizer, options, fmt, packed, prepare.has_mask(fmt, columns, options))
     return Source(raw, name, job, seed, shuffle_buffer, max_positions)
 

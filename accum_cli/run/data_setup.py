@@ -54,13 +54,23 @@ def _raw(cfg: TrainConfig, evaluation: bool):
     return sources.load_raw(cfg.dataset, cfg.dataset_config, cfg.split, cfg.trust_remote_code)
 
 
-def data_keys(cfg: TrainConfig, tokenizer, options: formats.Options) -> tuple[str, str | None]:
+def data_keys(cfg: TrainConfig, tokenizer, options: formats.Options,
+              packing_refusal: str | None = None) -> tuple[str, str | None]:  # fmt: skip
     """The cheap checks of the training (and evaluation) data and their cache keys: every rank, before
-    any collective, so all fail alike. Run in a child (isolate.py): it reads the rows with datasets."""
+    any collective, so all fail alike. Run in a child (isolate.py): it reads the rows with datasets.
+    `packing_refusal`: the one line refusing --packing of rows or --document-masking (model.positions)."""
     keys = []
     for evaluation in (False, True) if cfg.eval_dataset else (False,):
         rows = formats.as_rows(_raw(cfg, evaluation))
-        keys.append(cache.cache_key(rows, tokenizer, options, formats.check(rows, tokenizer, options)))
+        fmt = formats.check(rows, tokenizer, options)
+        if cfg.document_masking and not evaluation and not formats.stream_packed(options, fmt):
+            raise UserError(f"--document-masking applies to packed text; the dataset holds {fmt} rows")
+        if cfg.document_masking and getattr(tokenizer, "eos_token_id", None) is None:
+            raise UserError("--document-masking finds documents by their EOS, and the tokenizer has none")
+        masked = formats.rows_packed(options, fmt) or cfg.document_masking
+        if packing_refusal and not evaluation and masked:
+            raise UserError(packing_refusal)
+        keys.append(cache.cache_key(rows, tokenizer, options, fmt))
     return keys[0], (keys[1] if len(keys) > 1 else None)
 
 

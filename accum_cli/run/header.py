@@ -6,6 +6,8 @@ import dataclasses
 
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
+from accum_cli.data import packing
+from accum_cli.data.batches import SampleOrder
 from accum_cli.model import load as modeling
 from accum_cli.parallel import runtime
 from accum_cli.run.setup import Setup
@@ -85,6 +87,24 @@ def stream_position(s: Setup) -> str:
     )
 
 
+def describe_packing(s: Setup, seed: int) -> list[str]:
+    """--packing of rows: how many rows a step holds, and the share of computed positions that are real tokens,
+    packed and as the same rows padded would be (the first epoch's seeded order, microbatches of the plan's)."""
+    if isinstance(s.dataset, packing.DocumentMasked):
+        return ["packing           documents masked: each attends within itself only (--document-masking)"]
+    if not isinstance(s.dataset, packing.PackedRows):
+        return []
+    packed, g, micro = s.dataset, s.plan.global_batch, s.plan.micro_batch
+    rows = packed.n_rows
+    share = packing.real_share(packed.sequence_lengths()[SampleOrder(len(packed), seed).permutation(0)], micro)
+    padded = packing.real_share(packed.lengths[SampleOrder(rows, seed).permutation(0)], micro)
+    return [
+        f"packing           {rows:,} rows whole into {len(packed):,} sequences of up to {packed.seq_len} tokens "
+        f"(about {rows * g / len(packed):,.1f} rows a step); real tokens per position {share:.0%}, "
+        f"padded rows {padded:.0%}"
+    ]
+
+
 def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
     """The header by default: one line per decision a user checks before the first step (model, data,
     training, device, layout, precision, output), and the lines that only some runs need (warnings,
@@ -104,6 +124,7 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
         describe_tokenizer(s.tokenizer),
         *(s.stats.summary(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *describe_packing(s, cfg.seed),
         *([] if s.stats is not None or s.resume is None else [stream_position(s)]),
         f"training          {s.total_steps} optimizer steps{evaluation}; lr {lr_schedule(*schedule)}",
         *describe_lr(*schedule)[1:],  # a warmup longer than the run
@@ -161,6 +182,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         describe_tokenizer(s.tokenizer),
         *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *describe_packing(s, cfg.seed),
         f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"
         + (f"; eval on {len(s.eval_dataset):,} sequences" if s.eval_dataset is not None else ""),

@@ -3,6 +3,7 @@ launcher wrapper before any worker starts), then the data, the plan and the outp
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -14,10 +15,11 @@ import torch.distributed as dist
 from accum_cli.config import policy
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
-from accum_cli.data import cache, formats, isolate, prepare, prompts, sources, stream
+from accum_cli.data import cache, formats, isolate, packing, prepare, prompts, sources, stream
 from accum_cli.errors import UserError
 from accum_cli.memory import layout
 from accum_cli.model import load as modeling
+from accum_cli.model import positions
 from accum_cli.parallel import runtime, sharding
 from accum_cli.parallel.runtime import env_rank
 from accum_cli.parallel.sharding import ShardSettings
@@ -114,7 +116,9 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             raw_eval = sources.load_raw(cfg.eval_dataset, flag="--eval-dataset")
             formats.check(raw_eval, tokenizer, options)
     else:  # read and checked in a child: this process never imports datasets (isolate.py)
-        data_key, eval_key = isolate.in_child(data_keys, cfg, tokenizer, options)
+        refusal = positions.packing_refusal(model_config) if cfg.packing or cfg.document_masking else None
+        refusal = refusal and positions.refusal_line(cfg.model, refusal, cfg.document_masking)
+        data_key, eval_key = isolate.in_child(data_keys, cfg, tokenizer, options, refusal)
     data_id = data_identity(data_key, cfg)
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     replayed = None
@@ -156,6 +160,13 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             eval_dataset, eval_stats, _ = prepared(eval_key, evaluation=True)
     elif cfg.eval_split_ratio:
         dataset, eval_dataset = split_for_eval(dataset, cfg.eval_split_ratio, cfg.seed)
+    if stats is not None and formats.rows_packed(options, stats.format):  # whole rows into --seq-len sequences
+        dataset = packing.PackedRows(dataset, seq_len, cfg.seed)
+        stats = dataclasses.replace(stats, samples=len(dataset))  # a sample is a packed sequence
+    elif cfg.document_masking:  # text blocks whose documents attend within themselves, evaluated alike
+        dataset = packing.DocumentMasked(dataset, tokenizer.eos_token_id)
+        if eval_dataset is not None:
+            eval_dataset = packing.DocumentMasked(eval_dataset, tokenizer.eos_token_id)
     if cfg.streaming:
         try:
             replayed = check_stream(dataset, meta, cfg.global_batch, seq_len)

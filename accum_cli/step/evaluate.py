@@ -34,7 +34,7 @@ def eval_loss(model: nn.Module, reader: MicrobatchReader, rank: int, world_size:
     model.eval()
     for j in range(passes):
         mb = reader.read(mine[j * micro_batch : (j + 1) * micro_batch]).to(device)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        logits = model(**mb.model_inputs(), use_cache=False).logits
         totals[0] += token_loss_sum(logits, mb.labels).double()
         totals[1] += mb.loss_tokens
     model.train(was_training)

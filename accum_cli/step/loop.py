@@ -108,7 +108,7 @@ def microbatch_backward(
     # The output projection left to the loss, where it is fused; the vocabulary matrices used where
     # they lie, where the sharded layout can.
     with vocab_parallel.diverted(model), fused_loss.recording(model):
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        out = model(**mb.model_inputs(), use_cache=False)
     recorded = fused_loss.recorded(model, out.logits)
     mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
     del recorded
