@@ -160,7 +160,7 @@ def test_a_sharded_run_with_a_large_vocabulary_gives_the_heap_back_and_trains_th
     ByT5Tokenizer().save_pretrained(tmp_path / "model")
     data = write_ragged_tokens(tmp_path / "data.jsonl", n_rows=8)
     common = ["--model", str(tmp_path / "model"), "--dataset", str(data), "--global-batch", "4", "--micro-batch", "1",
-              "--max-steps", "1", "--lr", "1e-3", "--no-compile"]  # fmt: skip
+              "--max-steps", "1", "--lr", "1e-3", "--no-compile", "--verbose"]  # fmt: skip
     sharded = run_cli([*common, "--layout", "shard", "--output-dir", str(tmp_path / "shard")], nproc=2)
     assert sharded.returncode == 0, sharded.stdout + sharded.stderr
     assert "the heap's free pages too, before each gather of 2 vocabulary matrix(es)" in sharded.stdout

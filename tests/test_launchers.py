@@ -78,7 +78,7 @@ def test_accelerate_launch_with_a_cpu_fsdp_config(setup, single, tmp_path):
     out = tmp_path / "run"
     result = run(
         [str(BIN / "accelerate"), "launch", "--config_file", "recipes/accelerate/cpu-2proc.yaml",
-         "--main_process_port", str(free_port()), "-m", "accum_cli", *common(setup, out)]
+         "--main_process_port", str(free_port()), "-m", "accum_cli", *common(setup, out), "--verbose"]
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "cpu x 2 (gloo)" in result.stdout

@@ -147,7 +147,7 @@ def test_a_nan_in_one_ranks_shard_ends_every_rank_before_anything_is_saved(tmp_p
     out = tmp_path / "run"
     rank0, rank1 = run_ranks(["--model", str(model), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
                               "8", "--micro-batch", "2", "--max-steps", "1", "--layout", "shard",
-                              "--output-dir", str(out)], tmp_path)  # fmt: skip
+                              "--output-dir", str(out), "--verbose"], tmp_path)  # fmt: skip
     assert error_line(rank0, 3) == (
         "accum-train: error: non-finite values at step 1: parameter model.embed_tokens.weight holds NaN or inf after "
         "the update, so no checkpoint or final/ was written from it (check the model's weights, --lr, --weight-decay "

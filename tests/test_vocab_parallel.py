@@ -42,7 +42,8 @@ def test_the_header_says_which_matrices_are_used_in_place(tmp_path):
     for tied in (False, True):
         model = save_tiny_model(tmp_path / f"model-{tied}", tied=tied)
         args = ["--model", str(model), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch", "4",
-                "--micro-batch", "2", "--max-steps", "1", "--layout", "shard", "--output-dir", str(tmp_path / f"o{tied}")]  # fmt: skip
+                "--micro-batch", "2", "--max-steps", "1", "--layout", "shard", "--output-dir", str(tmp_path / f"o{tied}"),
+                "--verbose"]  # fmt: skip
         result = run_cli(args, nproc=2)
         assert result.returncode == 0, result.stdout + result.stderr
         line = "model.embed_tokens and lm_head used where they lie (vocabulary-parallel)"
