@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory bench-replicate gpu-check mutants clean
+.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory bench-replicate bench-fused-memory gpu-check mutants clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ bench-memory: setup
 # The replicated layout's hand-written gradient sum vs FSDP2 replicate, HSDP 2x1 and DDP no_sync: speed, memory, exactness (~5 min).
 bench-replicate: setup
 	$(BIN)/python bench/replicate.py
+
+# The loss step's peak, the output projection fused with the loss or not, 32K and 128K vocabularies, fp32 and both
+# bf16 forms, a GPU's and a CPU's bf16 products, and where fused starts to hold less (~9 min on 2 shared cores).
+bench-fused-memory: setup
+	$(BIN)/python bench/fused_memory.py --crossover
 
 # One CUDA GPU: the memory estimate vs the GPU, then accum-train vs hand-written FSDP2 and the HF Trainer on a
 # 1B Llama (~5.5 min on an H100, 7 at most). No setup (it would install the CPU torch): the machine's own

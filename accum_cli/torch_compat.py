@@ -30,6 +30,8 @@ PRIVATE: dict[str, str] = {
     "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
     # oneDNN's linear, as inductor's CPU lowering calls it (cpu/linear.py).
     "mkldnn_linear_pointwise": "torch.ops.mkldnn._linear_pointwise",
+    # The chunked kernel of F.linear_cross_entropy, called without its autograd (loss/fused_loss.py).
+    "linear_cross_entropy_chunked": "torch.nn.modules.linear_cross_entropy._linear_cross_entropy_batch_chunked",
 }
 
 

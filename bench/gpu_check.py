@@ -271,7 +271,7 @@ def memory_queries(args: argparse.Namespace, config: dict, bf16: bool) -> list:
 
     return [
         Query(config, 1, 1, m, args.seq_len, "last" if sync == "replicated" else sync, bf16, False,
-              replicated=sync == "replicated")
+              replicated=sync == "replicated", device_type="cuda")
         for sync in args.sync for m in args.micro_batch
     ]  # fmt: skip
 
@@ -408,7 +408,7 @@ def estimate_plans(rows: list[Row], args: argparse.Namespace, w: Workload) -> No
     planned = [r for r in rows if r.plan]
     queries = [
         Query(w.config, 1, 1, r.plan["micro_batch"], args.seq_len, r.plan["sync"], w.cuda, False,
-              replicated=r.plan["layout"] == "replicate")
+              replicated=r.plan["layout"] == "replicate", device_type="cuda")
         for r in planned
     ]  # fmt: skip
     if not queries:

@@ -11,6 +11,7 @@ from helpers import REPO, env, launch, python
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
+from accum_cli.loss import fused_loss
 from accum_cli.memory import estimate, fit, measure
 from accum_cli.memory.query import Estimate, Query
 from accum_cli.model.load import EMBEDDED_MODEL_DIR
@@ -334,3 +335,37 @@ def test_auto_finds_the_largest_micro_batch_that_fits_in_a_few_estimates(seed):
     candidates = fit._allowed_micro_batches(huge, 10**12)
     assert len(candidates) == 169 if strict else isinstance(candidates, range)
     assert fit._auto_micro_batch(huge, "every", 10**12, fit.Budget(10**40, "test"), run)[0] == 10**12
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_auto_finds_the_largest_micro_batch_across_the_bf16_switch(monkeypatch, seed):
+    """Under bf16 the peak is convex in m on either side of the micro batch from which the fused loss
+    takes the head (Target.switch), not across it: below, whole logits grow the peak faster; from
+    there on the fused step's peak starts lower and grows slower. A line through two peaks above the
+    switch, extended below it, may pass over a micro batch that fits there: the search still returns
+    the largest allowed m whose peak fits."""
+    import random
+
+    rng = random.Random(seed)
+    g, w = rng.randint(4, 400), rng.randint(1, 4)
+    cap = -(-g // w)
+    switch = rng.randint(2, max(2, cap))
+    base, whole, fused = rng.uniform(1e8, 2e8), rng.uniform(1e7, 1e8), rng.uniform(1e5, 5e6)
+    drop = rng.uniform(0, whole * (switch - 1))  # the fused step's saving at the switch
+
+    def peak(m: int) -> int:
+        return int(base + whole * m if m < switch else base + whole * switch - drop + fused * (m - switch))
+
+    config = {"hidden_size": 2048, "vocab_size": 32768}
+    assert fit.Target(config, g, w, 1, 512, True, False).switch() == -(-fused_loss.bf16_min_rows(2048, 32768) // 512)
+    assert fit.Target(config, g, w, 1, 512, False, False).switch() is None  # fp32: fused at any m
+    monkeypatch.setattr(fit.Target, "switch", lambda self: switch)
+    target = fit.Target({}, g, w, 1, 128, True, False)
+    budget = fit.Budget(int(rng.uniform(peak(1), peak(cap) * 1.2) / fit.BUDGET_SHARE) + 1, "test")
+
+    def run(queries):
+        return [Estimate(peak(q.micro_batch), {}, 0.0) for q in queries]
+
+    m, _, _ = fit._auto_micro_batch(target, "every", cap, budget, run)
+    fitting = [x for x in range(1, cap + 1) if peak(x) <= budget.bytes]
+    assert m == max(fitting), (switch, fitting)

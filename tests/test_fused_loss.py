@@ -3,11 +3,12 @@ the loss compute, holds less, and is used only on models that hand their logits 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from test_loss import peak_bytes
 from torch import nn
 
 from accum_cli.cpu import linear as cpu_linear
@@ -96,9 +97,183 @@ def test_a_fused_model_trains_as_the_model_itself(tied):
         assert torch.equal(fused(input_ids=mb.input_ids).logits, plain(input_ids=mb.input_ids).logits)
 
 
+def bf16_steps(layout: str, vocab: int = 301, bias: bool = True):
+    """The head's step on one input, three ways: the fused bf16 loss, the unfused bf16 projection and
+    loss as the layout computes them (FSDP2's bf16 copies, or autocast over fp32 master weights), and
+    exactly (fp64) on the values the bf16 products read. Each: [loss, hidden's, weight's, bias's gradient]."""
+    torch.manual_seed(1)
+    hidden, head, labels = torch.randn(3, 17, 24), nn.Linear(24, vocab, bias=bias), labelled(vocab)
+    with torch.no_grad():
+        head.weight.mul_(4)  # logits of a few units, where bf16's rounding of them shows
+    operands = [t.detach() for t in (hidden, head.weight, head.bias) if t is not None]
+
+    def run(compute, leaves):
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        loss = compute(leaves)
+        (loss * 0.37).backward()
+        return [loss.detach(), *(leaf.grad for leaf in leaves)]
+
+    def fused(leaves):
+        if layout == "bf16 copies":  # FSDP2's: the hidden state and the gathered weight are bf16
+            leaves = [t.bfloat16() for t in leaves]
+        placeholder = fused_loss._Placeholder.apply(leaves[0], vocab)
+        rec = fused_loss.Recorded(leaves[0], leaves[1], leaves[2] if bias else None, placeholder, dtype=torch.bfloat16)
+        return fused_loss.token_loss_sum(rec, labels)
+
+    def unfused(leaves):
+        if layout == "bf16 copies":
+            return token_loss_sum(F.linear(*(t.bfloat16() for t in leaves)), labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return token_loss_sum(F.linear(*leaves), labels)
+
+    exact = run(lambda leaves: token_loss_sum(F.linear(*leaves), labels), [t.bfloat16().double() for t in operands])
+    return run(fused, operands), run(unfused, operands), exact
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.parametrize("layout", ["autocast", "bf16 copies"])
+@pytest.mark.parametrize("rows_per_chunk", [10**6, 7, 1])  # one chunk, several (the last shorter), a row each
+def test_in_bf16_the_fused_sums_are_the_unfused_ones_or_nearer_the_exact(monkeypatch, layout, rows_per_chunk):
+    """bf16 GEMMs, fp32 sums (fused_bf16.py), against the unfused bf16 step and the exact sums of the
+    same bf16 values: each of the loss and the hidden state's, weight's and bias's gradients is at most
+    1.05x as far from the exact one as the unfused one is (measured: the loss 5.3e-5 for both, from the
+    same bf16 logits, its sums' order aside; the gradients 0.55-0.85x as far, 1.7e-3 to 2.6e-3 against
+    3.0e-3 to 3.3e-3, at any chunk size), and the two lie within 2^-7 of each other, a bf16 rounding's
+    worth on each side (the loss: the bf16 tolerance of test_equivalence_bf16.py)."""
+    from test_equivalence_bf16 import TOL_BF16
+
+    from accum_cli.loss import fused_bf16
+
+    monkeypatch.setattr(fused_bf16, "CPU_CHUNK_ELEMENTS", rows_per_chunk * 301)
+    monkeypatch.setattr(fused_bf16, "PARTIAL_ELEMENTS", 100 * 24)  # the weight's gradient in blocks of 100 rows
+    got, unfused, exact = bf16_steps(layout)
+    for name, o, u, e in zip(("loss", "hidden", "weight", "bias"), got, unfused, exact, strict=True):
+        print(f"{layout} {name}: fused {relative(o, e):.2e}, unfused {relative(u, e):.2e} from exact")
+        assert relative(o, e) <= 1.05 * relative(u, e), name
+        assert relative(o, u) <= (TOL_BF16["loss"] if name == "loss" else 2**-7), name
+    assert not got[1][2, 8:].any(), "positions predicting ignored labels get no gradient"
+
+
+def test_in_bf16_an_ignored_rows_non_finite_state_cannot_poison_the_sums():
+    vocab = 50
+    hidden, head, labels = torch.randn(3, 17, 8), nn.Linear(8, vocab), labelled(vocab)
+    hidden[2, 12] = float("nan")  # predicts an ignored label
+    leaves = [t.detach().bfloat16().requires_grad_() for t in (hidden, head.weight, head.bias)]
+    rec = fused_loss.Recorded(*leaves, fused_loss._Placeholder.apply(leaves[0], vocab), dtype=torch.bfloat16)
+    loss = fused_loss.token_loss_sum(rec, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and all(bool(leaf.grad.isfinite().all()) for leaf in leaves[1:])
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_bf16_products_are_the_devices_own(device):
+    """On fake tensors standing for the run's device (as in the memory estimate): a GPU's gradient
+    products are torch.mm's bf16 GEMMs with fp32 out (an op no CPU kernel has, whose fake form checks
+    its operands); a CPU's are fp32 products of fp32 copies (cpu/bf16.py). The gradients in the dtypes
+    the unfused step gives them, on both: bf16 for FSDP2's bf16 copies, fp32 for autocast's fp32
+    hidden state and master weights."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from accum_cli.cpu import bf16 as cpu_bf16
+    from accum_cli.parallel import runtime
+
+    calls = []
+    mm = torch.mm
+
+    def spy(a, b, **kwargs):  # ours, not fake mode's own (its addmm, F.linear's with a bias, calls mm in fp32)
+        if sys._getframe(1).f_globals["__name__"] in ("accum_cli.loss.fused_bf16", "accum_cli.cpu.bf16"):
+            calls.append((a.dtype, b.dtype, kwargs.get("out_dtype")))
+        return mm(a, b, **kwargs)
+
+    with FakeTensorMode(), runtime.simulated(device), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "mm", spy)
+        for dtype in (torch.bfloat16, torch.float32):
+            hidden = torch.randn(4, 64, 32, dtype=dtype, requires_grad=True)
+            weight = torch.randn(1000, 32, dtype=dtype, requires_grad=True)
+            bias = torch.randn(1000, dtype=dtype, requires_grad=True)
+            placeholder = fused_loss._Placeholder.apply(hidden, 1000)
+            rec = fused_loss.Recorded(hidden, weight, bias, placeholder, dtype=torch.bfloat16)
+            fused_loss.token_loss_sum(rec, torch.randint(0, 1000, (4, 64))).backward()
+            assert (hidden.grad.dtype, weight.grad.dtype, bias.grad.dtype) == (dtype,) * 3
+    if device == "cuda":
+        assert calls and {(a, b) for a, b, _ in calls} == {(torch.bfloat16, torch.bfloat16)}
+        assert {out for *_, out in calls} == {torch.float32}
+    else:
+        assert calls and {(a, b, out) for a, b, out in calls} == {(torch.float32, torch.float32, None)}
+    assert cpu_bf16.mm.__module__ == "accum_cli.cpu.bf16"
+
+
+@pytest.mark.parametrize("layout", ["replicate", "shard"])
+def test_a_bf16_model_trains_fused_as_unfused(monkeypatch, layout):
+    """The run's own microbatch step in bf16, the head fused (ACCUM_TRAIN_FUSED_LOSS=always: the rule
+    leaves so few rows unfused) and left alone (=0), in each layout: autocast over fp32 master
+    weights, and FSDP2's bf16 copies on a one-rank mesh. The loss and the gradient norm within the
+    bf16 tolerance of test_equivalence_bf16.py, the head's weight gradient within 2^-7 (measured,
+    replicated and sharded: the same loss, gradient norm 3.5e-4 and 4.1e-4 apart, the head's weight
+    1.7e-3 and 1.1e-3); the fused loss computed in bf16, in chunks of 5 rows."""
+    import torch.distributed as dist
+    from test_equivalence_bf16 import TOL_BF16
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from accum_cli.loss import fused_bf16
+    from accum_cli.parallel.sharding import ShardSettings
+
+    if layout == "shard":
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())  # conftest ends it
+        mesh = init_device_mesh("cpu", (1,))
+    monkeypatch.setattr(fused_bf16, "CPU_CHUNK_ELEMENTS", 5 * 384)  # 11 chunks of 5 rows
+    mb = microbatch(384)
+    computed_in = []
+    fused_sum = fused_bf16.token_loss_sum
+    monkeypatch.setattr(fused_bf16, "token_loss_sum", lambda *args: computed_in.append(args[-1]) or fused_sum(*args))
+    found = {}
+    for setting in ("0", "always"):
+        monkeypatch.setenv("ACCUM_TRAIN_FUSED_LOSS", setting)
+        model = tiny()
+        if layout == "shard":
+            wrap.shard(model, mesh, ShardSettings(bf16=True))
+        else:
+            wrap.prepare_replicated(model, ShardSettings(bf16=True), torch.device("cpu"))
+        assert fused_loss.describe(model, bf16=True).startswith("fused" if setting != "0" else "after")
+        loss, _ = microbatch_backward(model, mb, "last", True, 41, torch.device("cpu"))
+        grads = [p.grad.full_tensor() if layout == "shard" else p.grad for p in model.parameters()]
+        head = model.get_output_embeddings().weight.grad
+        found[setting] = (float(loss), float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))),
+                          head.full_tensor() if layout == "shard" else head)  # fmt: skip
+    assert computed_in == [torch.bfloat16], "the fused loss computes in bf16, as the unfused projection does"
+    (want_loss, want_norm, want_head), (got_loss, got_norm, got_head) = found["0"], found["always"]
+    print(f"bf16 {layout}: loss {got_loss} vs {want_loss}, gradient norm {got_norm} vs {want_norm}, "
+          f"head's weight {relative(got_head, want_head):.1e}")  # fmt: skip
+    assert abs(got_loss - want_loss) < TOL_BF16["loss"] * abs(want_loss)
+    assert abs(got_norm - want_norm) < TOL_BF16["grad_norm"] * want_norm
+    assert relative(got_head, want_head) <= 2**-7
+
+
+def allocated_peak(fn) -> int:
+    """The most bytes the CPU allocator held at once while `fn` ran, beyond what it held before it:
+    from the profiler's record of every allocation and free, so also those inside torch's
+    linear_cross_entropy kernel, a custom op, whose buffers PyTorch's MemTracker does not see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
 def test_the_fused_loss_holds_less_than_whole_logits(monkeypatch):
     """A large vocabulary against a small model: the fused step's peak lies more than a logits'
-    worth below the unfused one's (which holds the logits and their gradient, 8 MiB each)."""
+    worth below the unfused one's (which holds the logits and their gradient, 8 MiB each).
+    Measured: 2.7 MiB against 17.2; the fused loss's logits in one chunk, 10.3."""
     monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 16 * 8192)  # chunks of 16 rows: 0.5 MiB
     mb = microbatch(8192, rows=4, seq=64)
     logits_bytes = 4 * 64 * 8192 * 4
@@ -107,8 +282,8 @@ def test_the_fused_loss_holds_less_than_whole_logits(monkeypatch):
         model = tiny(vocab=8192)
         if fused:
             assert fused_loss.install(model)
-        peaks[fused] = peak_bytes(
-            lambda model=model: microbatch_backward(model, mb, "last", True, 200, torch.device("cpu")), model
+        peaks[fused] = allocated_peak(
+            lambda model=model: microbatch_backward(model, mb, "last", True, 200, torch.device("cpu"))
         )
     print({k: round(v / 2**20, 1) for k, v in peaks.items()}, "MiB")
     assert peaks[True] < peaks[False] - 1.5 * logits_bytes
@@ -247,3 +422,74 @@ def test_a_rank_that_builds_on_meta_goes_with_the_ranks_that_hold_the_weights(at
         model = tiny(attention=attention)
     assert fused_loss.install(model)
     assert fused_loss.describe(model).startswith("fused with the output projection")
+
+
+def fused_memory_bench():
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_fused_memory", REPO / "bench" / "fused_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_in_bf16_the_head_fuses_only_from_the_rows_where_it_holds_less(device):
+    """fused_loss.fuses against bench/fused_memory.py's count of both loss steps (hidden 2048, a 32K and
+    a 128K vocabulary, both bf16 forms, on fake tensors as the memory estimate counts them): at the
+    hidden size's rows whole logits hold less and the rule leaves the head alone; from the rule's
+    least rows on the fused step holds less and the rule fuses. In fp32 it fuses any rows."""
+    bench = fused_memory_bench()
+    hidden = 2048
+    assert fused_loss.fuses(1, hidden, 32768, torch.float32)
+    assert fused_loss.bf16_min_rows(hidden, hidden) is None  # logits no larger than the head's input: never
+    assert not fused_loss.fuses(10**9, hidden, hidden, torch.bfloat16)
+    for vocab in (32768, 131072):
+        least = fused_loss.bf16_min_rows(hidden, vocab)
+        assert not fused_loss.fuses(hidden, hidden, vocab, torch.bfloat16)
+        assert not fused_loss.fuses(least - 1, hidden, vocab, torch.bfloat16)
+        assert fused_loss.fuses(least, hidden, vocab, torch.bfloat16)
+        for precision in bench.PRECISIONS[1:]:
+            found = {}
+            for rows in (hidden, least, 2 * least):
+                fused, unfused = (bench.counted(f, precision, rows, hidden, vocab, device, estimate=True)
+                                  for f in (True, False))  # fmt: skip
+                found[rows] = round(fused / unfused, 2)
+            print(f"{device} {vocab} {precision}: fused/unfused by rows {found}")
+            assert found[hidden] > 1 and found[least] < 1 and found[2 * least] < 1, (vocab, precision, found)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "shard"])
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_memory_estimate_fuses_where_the_run_would(monkeypatch, layout, device):
+    """The estimate (memory/measure.py, in this process) runs the step on fake tensors standing for the
+    run's device: under bf16 its microbatches fuse from the rule's least rows on and not below, with
+    that device's products (cpu/bf16.py on a CPU alone); in fp32 at any rows."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from accum_cli.cpu import bf16 as cpu_bf16
+    from accum_cli.memory import measure
+    from accum_cli.memory.query import Query
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    seq = 32
+    switch = -(-fused_loss.bf16_min_rows(64, 4096) // seq)  # the least micro batch that fuses
+    seen, operands = [], []
+    recorded = fused_loss.recorded
+    monkeypatch.setattr(fused_loss, "recorded", lambda *a: seen.append(r := recorded(*a)) or r)
+    operand = cpu_bf16.operand
+    monkeypatch.setattr(cpu_bf16, "operand", lambda *a: operands.append(1) or operand(*a))
+    for bf16 in (True, False):
+        for m in (switch - 1, switch):
+            seen.clear()
+            query = Query(json.loads(config.to_json_string()), 2, 1, m, seq, "every", bf16, False,
+                          replicated=layout == "replicate", device_type=device)  # fmt: skip
+            measure.Measurer().measure([query])
+            fused = [r is not None for r in seen]
+            assert fused == [not bf16 or m >= switch] * 2, (bf16, m, fused)
+    assert bool(operands) == (device == "cpu"), "a CPU's bf16 products only where the run's device is the CPU"

@@ -72,7 +72,7 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, min_macs: int) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear's product, by oneDNN where `use_onednn` would take it; no autograd of its own (for
-    the fused loss's forward, fused_loss.py, which computes its gradients itself)."""
+    the vocabulary-parallel loss, vocab_parallel.py, which computes its gradients itself)."""
     smallest = min_macs(os.environ)
     if smallest is not None and _applies(x, weight, smallest) and available():
         return _onednn(x, weight, bias)

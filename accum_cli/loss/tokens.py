@@ -88,7 +88,7 @@ class _CrossEntropySum(torch.autograd.Function):
 
 def add_projection_gradients(probs: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, span: slice, first: bool,
                              grads: tuple) -> None:  # fmt: skip
-    """One chunk's part of a projection's gradients (fused_loss.py, vocab_parallel.py), from its
+    """One chunk's part of the vocabulary-parallel projection's gradients (vocab_parallel.py), from its
     softmax - one-hot `probs` (rows x vocabulary) and input rows `h`: the rows' (written at `span`),
     the weight's (the `first` chunk writes it, the others add) and the bias's (added). None: not wanted."""
     grad_rows, grad_weight, grad_bias = grads
@@ -104,14 +104,21 @@ def add_projection_gradients(probs: torch.Tensor, h: torch.Tensor, weight: torch
 
 
 def hand_on(ctx, grad_total: torch.Tensor) -> tuple:
-    """A fused loss's backward: the gradients its forward computed (ctx.grads), times the loss's own
-    (1 / global loss tokens), then zeros for the logits' placeholder (ctx.placeholder), whose hooks
-    then run as they would for real logits. Released here, so autograd may take them without a copy."""
+    """A fused loss's backward (fused_loss.py, vocab_parallel.py): the gradients its forward computed
+    (ctx.grads), times the loss's own (1 / global loss tokens), then zeros for the logits' placeholder
+    (ctx.placeholder), whose hooks then run as they would for real logits. Released here, so autograd
+    may take them without a copy."""
     grads, ctx.grads = ctx.grads, None
     if grads is None:  # scaled in place and handed on the first time: a second backward has none
         raise RuntimeError("the fused loss's backward ran twice; set ACCUM_TRAIN_FUSED_LOSS=0 to retain its graph")
     for grad in grads:
         if grad is not None:
             grad.mul_(grad_total)
-    shape, dtype, device = ctx.placeholder
-    return (*grads, torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device).zero_())
+    return (*grads, placeholder_zeros(ctx.placeholder))
+
+
+def placeholder_zeros(spec: tuple) -> torch.Tensor:
+    """Zeros of the logits' (shape, dtype, device) in one element's storage (every stride 0): the fused
+    losses' placeholder (fused_loss.py) and its gradient."""
+    shape, dtype, device = spec
+    return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device).zero_()

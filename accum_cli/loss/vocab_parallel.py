@@ -34,7 +34,7 @@ The matrices stay FSDP units: checkpoints, the optimizer, clipping and evaluatio
 before (an evaluation's forward gathers them). Only the step's training forward is diverted
 (`diverted`): the model's attribute for each names our function while it runs, so FSDP's hooks
 on the module do not run and do not gather it. One shard dimension only (not HSDP, whose replicas
-would each need the weight gradient reduced), fp32 only.
+would each need the weight gradient reduced), fp32 only (`qualifies` says why).
 """
 
 from __future__ import annotations
@@ -95,9 +95,15 @@ class Exchange:
 
 def qualifies(mesh, offload_params: bool, bf16: bool) -> bool:
     """A one-dimensional mesh (HSDP's replicas would each need the weight gradient all-reduced),
-    parameters that stay on the device that computes, and fp32: under mixed precision FSDP computes
-    with bf16 copies of the matrices and accumulates their gradients in fp32, which this would
-    have to match (and the fused loss stays unfused there)."""
+    parameters that stay on the device that computes, and fp32. Kept fp32-only, not for want of a
+    bf16 GEMM: under mixed precision FSDP computes with bf16 copies of the matrices, made by the hooks
+    this path bypasses. It reads the fp32 shards themselves, so it would have to make those copies
+    itself (the embedding's too), round the rows it gathers as FSDP's would, hand back gradients in
+    the dtype FSDP reduces from, and run its own chunked loop (a row's log-sum-exp combined over the
+    ranks within each chunk, which fused_bf16.py's loop has no place for) with bf16 GEMMs and fp32
+    sums: a second bf16 loss and embedding, each to be held against the unfused model on real ranks.
+    Under bf16 the head goes through FSDP's gathered bf16 weight instead, fused (fused_loss.py) where
+    a microbatch has the rows for it."""
     return mesh.ndim == 1 and not offload_params and not bf16
 
 

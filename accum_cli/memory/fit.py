@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from accum_cli.config import policy
 from accum_cli.config.plan import Plan
 from accum_cli.errors import UserError
+from accum_cli.loss import fused_loss
 from accum_cli.memory import estimate
 from accum_cli.memory.query import KINDS, Estimate, Query
 
@@ -48,12 +49,24 @@ class Target:
     reshard_after_forward: bool = True
     strict_batch: bool = False
     replicated: bool = False  # the replicated layout (layout.py): whole model, one reduction per step
+    device_type: str = "cpu"  # the run's devices: "cuda" or "cpu"
 
     def query(self, sync: str, micro_batch: int) -> Query:
         return Query(
             self.model_config, self.world_size, self.replicas, micro_batch, self.seq_len, sync, self.bf16,
             self.activation_checkpointing, self.reshard_after_forward, replicated=self.replicated,
+            device_type=self.device_type,
         )  # fmt: skip
+
+    def switch(self) -> int | None:
+        """Under bf16, the micro batch from which on the fused loss takes the head (fused_loss.fuses: enough
+        rows per microbatch), below which the head projects whole logits: the peak is convex in m on either
+        side of it, not across it (the fused step holds less from there on). None: no such micro batch known."""
+        hidden, vocab = self.model_config.get("hidden_size"), self.model_config.get("vocab_size")
+        if not self.bf16 or not isinstance(hidden, int) or not isinstance(vocab, int):
+            return None
+        least = fused_loss.bf16_min_rows(hidden, vocab)
+        return None if least is None else -(-least // self.seq_len)
 
     def under(self, sync: str) -> str:
         return "--layout replicate" if self.replicated else f"--sync {sync}"
@@ -159,7 +172,7 @@ def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) 
     while True:
         fitting = max(m for m, peak in peaks.items() if peak <= budget.bytes)
         over = sorted(m for m, peak in peaks.items() if peak > budget.bytes)
-        bound = _last_possible(over, peaks, budget.bytes) if len(over) >= 2 else cap
+        bound = _last_possible(over, peaks, budget.bytes, target.switch()) if len(over) >= 2 else cap
         below = min(over[0] if over else cap + 1, math.floor(bound) + 1)  # the next one measured: under this
         largest = bisect.bisect_left(allowed, below) - 1
         if largest < 0 or allowed[largest] <= fitting:
@@ -182,13 +195,18 @@ def _allowed_micro_batches(target: Target, cap: int) -> Sequence[int]:
     return Plan(target.global_batch, 1, target.world_size).valid_micro_batches() or [1]
 
 
-def _last_possible(over: list[int], peaks: dict[int, int], budget: int) -> float:
+def _last_possible(over: list[int], peaks: dict[int, int], budget: int, switch: int | None = None) -> float:
     """The largest m that may fit, from the two smallest measured micro batches that do not: the
     line through them, extended down, lies at or below the (convex) peak, so no m beyond the point
-    where it crosses the budget fits."""
+    where it crosses the budget fits. Under bf16 the peak is convex on either side of `switch`
+    (Target.switch), not across it: two on either side give no line (b: the next m measured lies
+    below a), and a line through two above it says nothing of an m below it."""
     a, b = over[0], over[1]
+    if switch is not None and a < switch <= b:
+        return b
     slope = (peaks[b] - peaks[a]) / (b - a)
-    return a - (peaks[a] - budget) / slope if slope > 0 else a - 1
+    bound = a - (peaks[a] - budget) / slope if slope > 0 else a - 1
+    return max(bound, switch - 1) if switch is not None and a >= switch else bound
 
 
 def describe(target: Target, result: Fit, budget: Budget, more: list[str] = ()) -> list[str]:

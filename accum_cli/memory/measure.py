@@ -214,8 +214,10 @@ class Measurer:
     def measure(self, queries: list[Query]) -> list[Estimate]:
         # Sharing a fake model needs the queries that share it next to each other.
         order = sorted(range(len(queries)), key=lambda i: _build_key(queries[i]))
-        with runtime.simulated():
-            results = dict((i, self._one(queries[i])) for i in order)
+        results = {}
+        for i in order:  # fake tensors on the CPU, standing for the run's device
+            with runtime.simulated(queries[i].device_type):
+                results[i] = self._one(queries[i])
         return [results[i] for i in range(len(queries))]
 
     def _one(self, query: Query) -> Estimate:

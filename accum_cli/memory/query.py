@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-CACHE_VERSION = 7  # bump when what is measured changes, so old figures are not reused
+CACHE_VERSION = 9  # bump when what is measured changes, so old figures are not reused
 KINDS = ("sharded_params", "unsharded_params", "gradients", "optimizer", "activations", "temporaries")
 
 
@@ -26,6 +26,7 @@ class Query:
     reshard_after_forward: bool = True
     accum_steps: int = 2  # microbatches per step in the estimate (>= 2: the policies differ from the second on)
     replicated: bool = False  # the whole model on every rank (layout.py), not sharded
+    device_type: str = "cpu"  # the run's ("cuda", "cpu"): the fused loss's bf16 path differs (fused_loss.py)
 
     def key(self) -> str:
         import torch
@@ -33,7 +34,7 @@ class Query:
 
         from accum_cli.loss import fused_loss
 
-        fused = fused_loss.enabled(os.environ)  # the child measures as the run will train
+        fused = [fused_loss.enabled(os.environ), fused_loss.always(os.environ)]  # the child measures as the run trains
         text = json.dumps(
             [CACHE_VERSION, torch.__version__, transformers.__version__, fused, asdict(self)], sort_keys=True
         )

@@ -39,12 +39,12 @@ def _copy_view_outputs(module: nn.Module, args, output):
 def _eager_kernels_and_fused_loss(model: nn.Module, settings: ShardSettings, device: torch.device) -> bool:
     """The CPU's eager kernels (cpu/: an fp32 CPU run whose layers stay eager; compiled, they fuse the
     norm's ops and choose their GEMMs themselves; on CUDA the model's own modules run), then the
-    fused loss (fused_loss.py, fp32 only), whose probe runs the model once: before any layer is
+    fused loss (fused_loss.py, fp32 and bf16 alike), whose probe runs the model once: before any layer is
     compiled, so that the probe is not the compiled layers' first call. Returns whether the loss is fused."""
     if device.type == "cpu" and not settings.compile and not settings.bf16:
         kernels.fuse_rms_norms(model)
         cpu_linear.use_onednn(model)
-    return not settings.bf16 and fused_loss.install(model, device)
+    return fused_loss.install(model, device)
 
 
 def compute_in_bf16(model: nn.Module, device: torch.device) -> None:

@@ -57,16 +57,17 @@ def threads_used() -> str:
 # values) over a fake process group. There the training code leaves out what needs values that a
 # fake world does not have: it reads no flags or counts back from a collective, runs no agreement
 # between ranks, and computes only the first and last chunk of a chunked loss (a chunk allocates
-# what the one before it freed). The estimate says so by `simulated()`; nothing else sets it.
-_simulated = False
+# what the one before it freed). The estimate says so by `simulated()`; nothing else sets it. Its
+# fake tensors lie on the CPU whatever device the run will train on, which it names (`device_type`).
+_simulated: str | None = None  # the device type the estimate stands for, while it runs
 
 
 @contextlib.contextmanager
-def simulated():
+def simulated(device_type: str = "cpu"):
     """The memory estimate's fake world, for the code run inside (a module flag, not a context
-    variable: autograd may run a backward on a thread of its own)."""
+    variable: autograd may run a backward on a thread of its own), standing for a run on `device_type`."""
     global _simulated
-    before, _simulated = _simulated, True
+    before, _simulated = _simulated, device_type
     try:
         yield
     finally:
@@ -74,7 +75,12 @@ def simulated():
 
 
 def is_simulated() -> bool:
-    return _simulated
+    return _simulated is not None
+
+
+def device_type(tensor: torch.Tensor) -> str:
+    """The type of the device the run computes on: the tensor's own, or in the estimate the one it stands for."""
+    return _simulated if _simulated is not None else tensor.device.type
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,13 @@ def model_size(shapes: dict[str, tuple[int, ...]], bf16: bool) -> policy.ModelSi
     return policy.ModelSize(n_params=n_params, compute_bytes=2 if bf16 else 4)
 
 
-def fit_target(cfg: TrainConfig, model_config, seq_len: int, world_size: int, settings: ShardSettings) -> fit.Target:
+def fit_target(
+    cfg: TrainConfig, model_config, seq_len: int, world_size: int, settings: ShardSettings, device_type: str
+) -> fit.Target:
     return fit.Target(
         json.loads(model_config.to_json_string()), cfg.global_batch, world_size, cfg.replicas, seq_len,
         settings.bf16, settings.activation_checkpointing, settings.reshard_after_forward, cfg.strict_batch,
+        device_type=device_type,
     )  # fmt: skip
 
 
@@ -88,7 +91,7 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
         activation_checkpointing=bool(cfg.activation_checkpointing),
     )
     budget = budget_for(cfg)
-    target = fit_target(cfg, model_config, seq_len, world_size, settings)
+    target = fit_target(cfg, model_config, seq_len, world_size, settings, "cuda")
     choice = layout.decide(cfg.layout, target, usable(cfg, world_size), cfg.sync, budget, show_all=True)
     plan = Plan(cfg.global_batch, choice.micro_batch, world_size)
     if cfg.strict_batch:
@@ -144,7 +147,7 @@ def decide(
     free memory is."""
     answer = ""
     if rt.is_main:
-        target = fit_target(cfg, model_config, seq_len, rt.world_size, settings)
+        target = fit_target(cfg, model_config, seq_len, rt.world_size, settings, rt.device.type)
         try:
             budget = budget_for(cfg, rt)
             choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget)

@@ -193,7 +193,7 @@ def build(s: Setup, cfg: TrainConfig):
         print(f"  {'host memory':<18}{host}", flush=True)
     if rt.is_main and cfg.verbose:
         print(f"  {'wrapped':<18}{wrapped}", flush=True)
-        print(f"  {'loss':<18}{fused_loss.describe(model)}", flush=True)
+        print(f"  {'loss':<18}{fused_loss.describe(model, s.settings.bf16)}", flush=True)
         if (in_place := vocab_parallel.describe(model)) is not None:
             print(f"  {'vocabulary':<18}{in_place}", flush=True)
     return model
