@@ -169,7 +169,7 @@ def reference(model_dir: Path, data: Path, **config_overrides) -> tuple[float, f
 def cli_args(model_dir: Path, data: Path, out: Path, micro: int, sync: str) -> list[str]:
     return ["--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out), "--global-batch", str(G),
             "--micro-batch", str(micro), "--sync", sync, "--max-steps", "1", "--seed", str(SEED),
-            "--lr-schedule", "constant", "--warmup-steps", "0"]  # fmt: skip
+            "--lr-schedule", "constant", "--warmup-steps", "0", "--verbose"]  # fmt: skip
 
 
 def train_in_process(args: list[str]) -> tuple[dict, str]:
@@ -210,26 +210,18 @@ def test_two_ranks_sync_last_equal_hf_one_big_batch(workdir, models, tmp_path, n
 
 
 def test_header_names_attention_and_sharding(workdir, models, tmp_path):
-    _, output = train_in_process(
-        [*cli_args(models("llama-tied"), workdir / "data.jsonl", tmp_path / "a", 12, "every"), "--verbose"]
-    )
+    _, output = train_in_process([*cli_args(models("llama-tied"), workdir / "data.jsonl", tmp_path / "a", 12, "every")])
     assert "sdpa (PyTorch fused attention, the best this model class supports here)" in output
     assert "3 FSDP units: 2 x LlamaDecoderLayer + root holding model.embed_tokens.weight = lm_head.weight (tied)" in (
         output
     )
     assert "host memory       freed tensors go back to the system" in output  # sharded on CPU: hostmem.py
-    _, output = train_in_process(
-        [*cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "u", 12, "every"), "--verbose"]
-    )
+    _, output = train_in_process([*cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "u", 12, "every")])
     assert "5 FSDP units: 2 x LlamaDecoderLayer, model.embed_tokens, lm_head + root holding model.norm.weight" in output
-    _, output = train_in_process(
-        [*cli_args(models("bloom"), workdir / "data.jsonl", tmp_path / "b", 12, "every"), "--verbose"]
-    )
+    _, output = train_in_process([*cli_args(models("bloom"), workdir / "data.jsonl", tmp_path / "b", 12, "every")])
     assert "eager (BloomForCausalLM has no sdpa; its default)" in output
     assert "2 x BloomBlock" in output
-    _, output = train_in_process(
-        [*cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "r", 12, "auto"), "--verbose"]
-    )
+    _, output = train_in_process([*cli_args(models("llama"), workdir / "data.jsonl", tmp_path / "r", 12, "auto")])
     assert "replicated: all " in output
     assert "host memory       freed tensors kept on the heap for the next microbatch" in output  # hostmem.py
 

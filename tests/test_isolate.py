@@ -162,7 +162,7 @@ def test_a_training_process_never_imports_the_data_libraries(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(f'{{"text": "document {i} about the lazy dog and the fox"}}\n' for i in range(40)))
     args = ["--model", str(model), "--dataset", str(data), "--eval-dataset", str(data), "--seq-len", "16",
-            "--global-batch", "4", "--micro-batch", "2", "--max-steps", "2"]  # fmt: skip
+            "--global-batch", "4", "--micro-batch", "2", "--max-steps", "2", "--verbose"]  # fmt: skip
     cache = {"ACCUM_TRAIN_CACHE": str(tmp_path / "cache")}
     for run, said in (("cold", "done once"), ("warm", "read from the cache")):
         out = ["--output-dir", str(tmp_path / run)]
