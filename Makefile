@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml
 run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
-# Two workers, a test file each at a time (its module fixtures built once): the suite's many
-# launches spend much of their time starting processes, so two cores are busier with two files.
+# Three workers on two cores, a test file each at a time (its module fixtures built once): with two,
+# the cores were busy 131% of 200% (6 Dec 2026, 15:20 for 928 tests): many tests wait on processes
+# (signals, launchers' grace periods), and a third file fills those waits.
 test: setup
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=20
+	$(BIN)/pytest -q -n 3 --dist loadfile --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"
