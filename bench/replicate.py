@@ -65,6 +65,10 @@ LAUNCH_TIMEOUT_S = 300
 BUSY_SHARE = 0.05  # other processes' CPU share above which timings say more about them
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, as a script sees them
+from overhead import busy_cpu_seconds  # noqa: E402
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="launches per contestant, alternating")
@@ -534,17 +538,6 @@ def _rank_process(args: argparse.Namespace, rank: int, port: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds spent by everything on this machine so far (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as stat:
-            ticks = [int(x) for x in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = ticks
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu_seconds() -> float:

@@ -176,8 +176,13 @@ def _record_step(line: str) -> int | None:
 def keep_metrics_until(output_dir: Path, step: int) -> None:
     """On resume from a checkpoint after `step` steps: drop the later records (they are about to be
     redone) and any torn line."""
-    path = output_dir / "metrics.jsonl"
-    if not path.exists():
+    keep_records_until(output_dir / "metrics.jsonl", step)
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Of a JSON-lines file whose records carry their "step" (metrics.jsonl, samples.jsonl): keep those
+    of steps up to `step`, drop the rest and any torn line, atomically; nothing where none would go."""
+    if not path.is_file():
         return
     lines = path.read_text(errors="replace").splitlines()
     kept = [line for line in lines if (done := _record_step(line)) is not None and done <= step]

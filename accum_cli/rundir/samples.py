@@ -17,31 +17,15 @@ import json
 from pathlib import Path
 
 from accum_cli import safe_json
-from accum_cli.rundir import outdir
-from accum_cli.rundir.metrics import print_lines
+from accum_cli.rundir.metrics import keep_records_until, print_lines
 
 FILE = "samples.jsonl"
 SHOWN_CHARS = 70  # of a prompt and of its completion, in the console's block
 
 
-def _step(line: str) -> int | None:
-    """A record's step; None for a line that is not one (torn by a kill or a full disk)."""
-    try:
-        step = safe_json.loads(line)["step"]
-    except (ValueError, TypeError, KeyError):
-        return None
-    return step if isinstance(step, int) else None
-
-
 def keep_until(output_dir: Path, step: int) -> None:
     """On resume from a checkpoint after `step` steps: drop the later records (about to be redone) and any torn line."""
-    path = output_dir / FILE
-    if not path.is_file():
-        return
-    lines = path.read_text(errors="replace").splitlines()
-    kept = [line for line in lines if (done := _step(line)) is not None and done <= step]
-    if kept != lines:
-        outdir.replace_text(path, "".join(line + "\n" for line in kept))
+    keep_records_until(output_dir / FILE, step)
 
 
 def tokens_before(output_dir: Path) -> int:
