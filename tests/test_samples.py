@@ -233,3 +233,23 @@ def test_a_bad_prompts_file_is_one_line_before_any_work(root, tmp_path, flags, m
     assert lines[0].startswith("accum-train: error: ") and expected in lines[0], lines[0]
     assert not out.exists(), "nothing is written on bad input"
     assert {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()} == before, "the user's files untouched"
+
+
+def test_a_samples_file_that_cannot_be_written_is_one_note_and_the_training_goes_on(root, tmp_path, capsys):
+    """A full disk (here: samples.jsonl taken by a folder, the same OSError path) costs the samples, not the
+    run: one note, the console block and the trackers still get them."""
+    from transformers import AutoTokenizer
+
+    from accum_cli.data.prompts import Prompt, Prompts
+    from accum_cli.rundir.samples import FILE, SampleLog
+
+    (tmp_path / FILE).mkdir()
+    sent = []
+    tracker = type("Trackers", (), {"log_samples": lambda self, step, pairs: sent.append((step, pairs))})()
+    prompts = Prompts(str(root / "prompts.txt"), [Prompt(1, PROMPTS[0], None)], [[3, 4]])
+    log = SampleLog(tmp_path, prompts, AutoTokenizer.from_pretrained(root / "model"), True)
+    log.write(7, 56, 900, [[5, 6, 7]], tracker)
+    out = capsys.readouterr().out
+    assert "note: samples.jsonl not written at step 7" in out and "training goes on" in out, out
+    assert "samples after step 7" in out and sent and sent[0][0] == 7
+    assert (tmp_path / FILE).is_dir() and not list((tmp_path / FILE).iterdir()), "nothing written into the folder"

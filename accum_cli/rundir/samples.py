@@ -57,8 +57,14 @@ class SampleLog:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             records.append({"step": step, "samples": samples, "tokens": self.tokens_before + tokens,
                             "prompt": prompt.shown(), "completion": text, "completion_ids": ids})  # fmt: skip
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        try:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        except OSError as exc:  # a full disk: samples are a view of the training, never worth stopping it for
+            # (a torn last line is dropped on resume, keep_records_until)
+            print(
+                f"note: samples.jsonl not written at step {step} ({exc.strerror or exc}); training goes on", flush=True
+            )
         lines = []
         for r in records:
             lines += [f"> {_short(r['prompt'])}", f"  {_short(r['completion'])}"]
