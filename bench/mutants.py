@@ -969,6 +969,9 @@ MUTANTS = [
     # --- accum-train verify (issue 39) ---
     Mutant('verify: a replicated run at W=2 checked against the ranks, not one process', 'accum_cli/run/verify.py',
            '    if world == 1 or s.layout.layout == REPLICATE:', '    if world == 1:', ('tests/test_verify.py', '-k', 'both_layouts')),
+    Mutant('verify: the one-process reference takes the whole batch whatever the estimate says', 'accum_cli/memory/fit.py',
+           '        if whole.peak <= budget.bytes:  # the common case: one estimate', '        if True:',
+           ('tests/test_verify.py', '-k', 'few_forwards')),
     Mutant('verify: --json prints the table', 'accum_cli/run/verify.py',
            '            print(report.as_json(), flush=True)', '            print_report(report)', ('tests/test_verify.py', '-k', 'json')),
     Mutant('verify: dropout left on', 'accum_cli/run/verify.py',

@@ -8,6 +8,7 @@ real ranks. Nothing is written to --output-dir."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -102,6 +103,19 @@ def test_passes_in_both_layouts_on_a_ragged_batch_and_writes_nothing(workdir, tm
     assert f"{world} rank{'s' if world > 1 else ''}, layout {layout}, micro batch {micro}" in stdout
     assert "one process (rank 0" in stdout and f"the whole global batch of {G} in one forward" in stdout
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_the_one_process_reference_takes_as_few_forwards_as_the_memory_estimate_allows(workdir, tmp_path):
+    """A budget (--device-memory-gib) that holds the tiny model's state but not the whole global batch in one
+    forward: the reference splits it into the fewest forwards the estimate fits, says so, and still passes."""
+    flags = ["--layout", "replicate", "--micro-batch", "3", "--sync", "last", "--device-memory-gib", "0.007"]
+    stdout = passed(verify(workdir, tmp_path / "out", *flags))
+    found = re.search(
+        rf"the global batch of {G} in (\d+) forwards of up to (\d+) samples \(sized by the memory estimate", stdout
+    )
+    assert found, stdout
+    forwards, per_forward = map(int, found.groups())
+    assert 1 < per_forward < G and forwards == -(-G // per_forward), stdout
 
 
 @pytest.mark.distributed

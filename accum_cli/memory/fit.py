@@ -151,6 +151,27 @@ def fit_replicated(target: Target, micro_batch: int | str, budget: Budget) -> tu
         return micro_batch, micro_reason, session.estimate([target.query(policy.LAST, micro_batch)])[0]
 
 
+def one_process_forward(target: Target, budget: Budget, extra_per_sample: int = 0) -> tuple[int, int]:
+    """The most samples, up to the global batch, that one forward of a one-process replicated step holds
+    under the budget, and the estimated peak there. `extra_per_sample`: bytes a caller's step holds per
+    sample beyond what the estimate counts (verify's plain reference computes whole fp32 logits), added
+    to each estimate (still convex in m). UserError where one sample does not fit."""
+    target = replace(target, world_size=1, replicas=1, replicated=True, strict_batch=False)
+    with estimate.Session() as session:
+
+        def run(queries: list[Query]) -> list[Estimate]:
+            found = session.estimate(queries)
+            return [
+                replace(e, peak=e.peak + extra_per_sample * q.micro_batch) for e, q in zip(found, queries, strict=True)
+            ]
+
+        whole = run([target.query(policy.LAST, target.global_batch)])[0]
+        if whole.peak <= budget.bytes:  # the common case: one estimate
+            return target.global_batch, whole.peak
+        m, _, _ = _auto_micro_batch(target, policy.LAST, target.global_batch, budget, run)
+        return m, run([target.query(policy.LAST, m)])[0].peak
+
+
 def _auto_micro_batch(target: Target, lean: str, cap: int, budget: Budget, run) -> tuple[int, str, int]:
     allowed = _allowed_micro_batches(target, cap)
     peaks: dict[int, int] = {}

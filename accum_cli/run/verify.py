@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import sys
@@ -38,9 +39,10 @@ from accum_cli.config import policy
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import REPLICATE, TrainConfig
 from accum_cli.errors import UserError
+from accum_cli.memory import estimate, fit
 from accum_cli.model import moe
 from accum_cli.parallel import runtime
-from accum_cli.run import verify_report
+from accum_cli.run import planning, verify_report
 from accum_cli.run.header import with_default_lr
 from accum_cli.run.setup import Setup, setup
 from accum_cli.run.train import build, readers
@@ -144,7 +146,7 @@ def check(s: Setup, cfg: TrainConfig, steps: int, started: float) -> Report:
         "set to 0: " + ", ".join(changed) if changed else "the model's config sets none above 0"
     )
     precision = "bf16" if s.settings.bf16 else "fp32"
-    kind, per_forward, reference_plan, reference_text = choose_reference(s)
+    kind, per_forward, reference_plan, reference_text = choose_reference(s, cfg)
     seconds: dict[str, float] = {}
     local = kind == SAME_RANKS  # the same sharding on both sides: each rank compares its own shards
     run_side, _ = accum_steps(s, cfg, steps, local, seconds, "run")
@@ -186,35 +188,67 @@ def check(s: Setup, cfg: TrainConfig, steps: int, started: float) -> Report:
     return report
 
 
-def choose_reference(s: Setup) -> tuple[str, int, Plan | None, str]:
-    """(kind, samples per forward of the one-process reference, the same-ranks reference's plan, its description)."""
+def choose_reference(s: Setup, cfg: TrainConfig) -> tuple[str, int, Plan | None, str]:
+    """(kind, samples per forward of the one-process reference, the same-ranks reference's plan, its description).
+    Collective: the one-process reference's forwards are sized by rank 0's memory estimate."""
     plan, world = s.plan, s.rt.world_size
     g = plan.global_batch
     router = moe.aux_loss_coef(s.model_config) > 0
+    why_not = "that needs the replicated layout or one rank"
     if world == 1 or s.layout.layout == REPLICATE:
-        why = "one rank" if world == 1 else "the replicated layout: the run's state fits one process"
-        # Split otherwise than the run, which can only be where the run takes its step in more than one forward.
-        # A router's balancing loss is the model's own over the whole batch: one forward.
-        per_forward = 1 if world == 1 and plan.accum_steps == 1 and g > 1 and not router else g
-        split = (
-            f"the whole global batch of {g} in one forward"
-            if per_forward == g
-            else f"the global batch of {g} one sample per forward (the run takes it in one)"
-        )
-        text = (
-            f"one process (rank 0; {why}): the plain Hugging Face model from the same initial weights, {split}, each "
-            "forward's summed token loss divided by the step's loss-token count, AdamW and the run's schedule"
-            + (", under bf16 autocast over fp32 weights" if s.settings.bf16 else "")
-        )
-        return ONE_PROCESS, per_forward, None, text
+        if world == 1 and plan.accum_steps == 1 and g > 1 and not router:
+            # The run takes its step in one forward: the reference splits it otherwise.
+            return (
+                ONE_PROCESS,
+                1,
+                None,
+                one_process_text(s, f"the global batch of {g} one sample per forward (the run takes it in one)"),
+            )
+        sized = one_process_size(s, cfg) if s.rt.is_main else None
+        per_forward, how = json.loads(runtime.broadcast_text(json.dumps(sized), s.rt.device))
+        if per_forward == g:
+            return ONE_PROCESS, g, None, one_process_text(s, f"the whole global batch of {g} in one forward ({how})")
+        if per_forward and not router:  # a router's balancing loss is the model's own over the whole batch
+            split = f"the global batch of {g} in {-(-g // per_forward)} forwards of up to {per_forward} samples ({how})"
+            return ONE_PROCESS, per_forward, None, one_process_text(s, split)
+        why_not = how if not per_forward else "the model's balancing loss needs the whole batch in one forward: " + how
+        if world == 1:
+            raise UserError(f"verify has no reference for this run: {why_not}; verify it at a smaller --global-batch")
     micro = 1 if plan.micro_batch > 1 else plan.max_rank_samples
     reference = Plan(g, micro, world)
     text = (
-        f"the same {world} ranks through accum-train itself, sharded as the run (layout {s.layout.layout}, "
-        f"{s.layout.reason}; not one process: that needs the replicated layout or one rank): micro batch {micro} ({reference.accum_steps} microbatch"
+        f"the same {world} ranks through accum-train itself, as the run (layout {s.layout.layout}, "
+        f"{s.layout.reason}; not one process: {why_not}): micro batch {micro} ({reference.accum_steps} microbatch"
         f"{'es' if reference.accum_steps != 1 else ''} per rank), sync every"
     )
     return SAME_RANKS, micro, reference, text
+
+
+def one_process_text(s: Setup, split: str) -> str:
+    why = "one rank" if s.rt.world_size == 1 else "the replicated layout: the run's state fits one process"
+    return (
+        f"one process (rank 0; {why}): the plain Hugging Face model from the same initial weights, {split}, each "
+        "forward's summed token loss divided by the step's loss-token count, AdamW and the run's schedule"
+        + (", under bf16 autocast over fp32 weights" if s.settings.bf16 else "")
+    )
+
+
+def one_process_size(s: Setup, cfg: TrainConfig) -> dict:
+    """Rank 0: [samples per forward, how they were chosen] for the one-process reference: the most the memory
+    estimate of a one-process replicated step fits, plus the reference's own whole logits (an fp32 copy,
+    log-softmax and their gradient), which the estimate may not count; 0 where even one does not fit.
+    Never raises: the other ranks wait for the answer."""
+    target = planning.fit_target(cfg, s.model_config, s.seq_len, 1, s.settings, s.rt.device.type)
+    vocab = int(getattr(s.model_config, "vocab_size", 0) or 0)
+    logits = s.seq_len * vocab * ((2 if s.settings.bf16 else 4) + 12)
+    budget = planning.budget_for(cfg, s.rt)
+    try:
+        m, peak = fit.one_process_forward(target, budget, logits)
+    except estimate.EstimateFailed as exc:
+        return [s.plan.global_batch, f"not sized: the memory estimate failed: {exc}"]
+    except UserError as exc:
+        return [0, f"one sample does not fit one process by the memory estimate: {exc}"]
+    return [m, f"sized by the memory estimate: {fit.gib(peak)} against a budget of {budget.describe()}"]
 
 
 def describe_run(s: Setup, precision: str) -> str:
