@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The tested torch build. Installed first and pinned, so no range pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory bench-replicate bench-fused-memory gpu-check mutants clean
+.PHONY: setup run test test-fast lint format bench bench-overhead bench-peers bench-memory bench-replicate bench-fused-memory gpu-check verify-sweep mutants clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,10 @@ bench-fused-memory: setup
 # python and CUDA torch run this checkout uninstalled; PYTHON=... picks another interpreter.
 gpu-check:
 	$${PYTHON:-python3} bench/gpu_check.py
+
+# `accum-train verify` on every architecture of tests/test_architectures.py, W=1 and 2, both layouts (~45 min on 2 shared cores).
+verify-sweep: setup
+	OMP_NUM_THREADS=1 $(BIN)/python bench/verify_sweep.py
 
 # Hand-written mutants, each against the tests that should catch it (bench/MUTANTS.md). Slow; not CI.
 mutants: setup
