@@ -82,18 +82,20 @@ def test_a_step_over_packed_rows_equals_the_step_over_the_same_rows_unpacked(tmp
     unpacked, _ = one_step(model, data, tmp_path / "rows", n_rows)
     packed, header = one_step(model, data, tmp_path / "packed", bins, "--packing")
     line = next(x for x in header.splitlines() if x.strip().startswith("packing "))
-    assert f"{n_rows} rows whole into {bins} sequences of up to {SEQ} tokens (about {n_rows:.1f} rows a step)" in line
+    assert f"{n_rows} rows whole into {bins} sequences of up to {SEQ} tokens (about {n_rows:.1f} rows, " in line
+    assert f", {unpacked['loss_tokens']:,} loss tokens a step)" in line  # the step holds every row
     share, padded = (int(x.split("%")[0].rsplit(" ", 1)[1]) for x in line.split(";")[1].split(","))
     assert 0 < padded < share <= 100, line  # packed rows waste fewer positions than padded ones
     assert "one epoch = 1 optimizer steps" in header, header
     assert packed["loss_tokens"] == unpacked["loss_tokens"], (packed, unpacked)
     assert packed["tokens"] == unpacked["tokens"], (packed, unpacked)
+    assert packed["rows"] == unpacked["rows"] == n_rows, (packed, unpacked)  # rows packed; unpacked: sequences
     errors = rel_err(packed["loss"], unpacked["loss"]), rel_err(packed["grad_norm"], unpacked["grad_norm"])
     print(f"{arch}: {n_rows} rows in {bins} sequences; rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")
     assert errors[0] < TOL and errors[1] < TOL, (packed, unpacked)
     if arch == "llama-chat":  # 2 ranks sharded (FSDP2), 3 sequences each (microbatches of 2 and 1): the same step
         two, _ = one_step(model, data, tmp_path / "packed2", bins, "--packing", "--layout", "shard", nproc=2)
-        assert two["loss_tokens"] == unpacked["loss_tokens"], (two, unpacked)
+        assert two["loss_tokens"] == unpacked["loss_tokens"] and two["rows"] == n_rows, (two, unpacked)
         errors = rel_err(two["loss"], unpacked["loss"]), rel_err(two["grad_norm"], unpacked["grad_norm"])
         print(f"{arch} on 2 sharded ranks: rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")
         assert errors[0] < TOL and errors[1] < TOL, (two, unpacked)
@@ -147,6 +149,7 @@ def test_document_masking_restarts_positions_after_each_eos_and_keeps_documents_
     ids = np.array(first + second)
     labels = ids.copy()
     mb = collate([(ids, labels, packing.document_positions(ids, 1)), (ids[:3], labels[:3], np.arange(3))], pad_id=0)
+    assert mb.rows == 3  # the documents the microbatch holds (its padding, positions from 0 too, is none)
     with torch.no_grad():
         masked = model(**mb.model_inputs(), use_cache=False).logits[0, len(first) :]  # a cache turns packing off
         alone = model(input_ids=torch.tensor([second])).logits[0]

@@ -98,9 +98,11 @@ def describe_packing(s: Setup, seed: int) -> list[str]:
     rows = packed.n_rows
     share = packing.real_share(packed.sequence_lengths()[SampleOrder(len(packed), seed).permutation(0)], micro)
     padded = packing.real_share(packed.lengths[SampleOrder(rows, seed).permutation(0)], micro)
+    per_step = rows * g / len(packed)
+    loss_tokens = f", {per_step * s.stats.loss_tokens / max(s.stats.documents, 1):,.0f} loss tokens" if s.stats else ""
     return [
         f"packing           {rows:,} rows whole into {len(packed):,} sequences of up to {packed.seq_len} tokens "
-        f"(about {rows * g / len(packed):,.1f} rows a step); real tokens per position {share:.0%}, "
+        f"(about {per_step:,.1f} rows{loss_tokens} a step); real tokens per position {share:.0%}, "
         f"padded rows {padded:.0%}"
     ]
 

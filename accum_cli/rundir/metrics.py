@@ -104,6 +104,7 @@ class Reporter:
             "step": step + 1,  # optimizer steps completed: as the console, checkpoints and trackers say
             "loss": result.loss,
             "loss_tokens": result.loss_tokens,
+            "rows": result.rows,
             "tokens": result.tokens,
             "grad_norm": result.grad_norm,
             "lr": result.lr,
