@@ -101,6 +101,22 @@ def test_a_step_over_packed_rows_equals_the_step_over_the_same_rows_unpacked(tmp
         assert errors[0] < TOL and errors[1] < TOL, (two, unpacked)
 
 
+def test_prepare_only_reports_rows_and_the_packed_sequences_they_make(tmp_path):
+    model = save_tiny_model(tmp_path / "m", chat_template=CHAT_TEMPLATE)
+    data = write_chat(tmp_path / "chat.jsonl", 40)
+    bins = packed_count(model, data)
+    result = run_cli(["--prepare-only", "--model", str(model), "--dataset", str(data), "--output-dir",
+                      str(tmp_path / "o"), "--seq-len", str(SEQ), "--global-batch", "4", "--packing",
+                      "--seed", str(SEED)])  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "format            chat, rows packed whole into sequences (--packing)" in result.stdout
+    assert f"samples           {bins} packed sequences of 40 rows; one epoch = {bins // 4} optimizer steps of 4" in (
+        result.stdout
+    )
+    assert f"packing           40 rows whole into {bins} sequences of up to {SEQ} tokens" in result.stdout
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_model_with_alibi_is_refused_in_one_line_before_any_work(tmp_path):
     model = save_model(tmp_path / "bloom", "BloomConfig", vocab_size=384, hidden_size=32, n_layer=2, n_head=4)
     data = write_ragged_tokens(tmp_path / "d.jsonl", 8)
