@@ -90,6 +90,8 @@ def test_a_step_over_packed_rows_equals_the_step_over_the_same_rows_unpacked(tmp
     assert packed["loss_tokens"] == unpacked["loss_tokens"], (packed, unpacked)
     assert packed["tokens"] == unpacked["tokens"], (packed, unpacked)
     assert packed["rows"] == unpacked["rows"] == n_rows, (packed, unpacked)  # rows packed; unpacked: sequences
+    assert packed["positions"] < unpacked["positions"], (packed, unpacked)  # less padding computed
+    assert packed["tokens"] <= packed["positions"] <= bins * SEQ, packed
     errors = rel_err(packed["loss"], unpacked["loss"]), rel_err(packed["grad_norm"], unpacked["grad_norm"])
     print(f"{arch}: {n_rows} rows in {bins} sequences; rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")
     assert errors[0] < TOL and errors[1] < TOL, (packed, unpacked)
@@ -194,6 +196,7 @@ def test_document_masking_restarts_positions_after_each_eos_and_keeps_documents_
     labels = ids.copy()
     mb = collate([(ids, labels, packing.document_positions(ids, 1)), (ids[:3], labels[:3], np.arange(3))], pad_id=0)
     assert mb.rows == 3  # the documents the microbatch holds (its padding, positions from 0 too, is none)
+    assert mb.positions == 2 * len(ids) and mb.tokens == len(ids) + 3  # padding computed, not counted
     with torch.no_grad():
         masked = model(**mb.model_inputs(), use_cache=False).logits[0, len(first) :]  # a cache turns packing off
         alone = model(input_ids=torch.tensor([second])).logits[0]

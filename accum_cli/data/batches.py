@@ -53,6 +53,11 @@ class Microbatch:
         return 0 if self.empty else int(self.attention_mask.sum())
 
     @property
+    def positions(self) -> int:
+        """Positions the forward computes, padding included; none in a placeholder."""
+        return 0 if self.empty else int(self.input_ids.numel())
+
+    @property
     def rows(self) -> int:
         """Rows (documents) held: packed rows count one per run of real positions from 0, else one per
         sequence; none in a placeholder."""

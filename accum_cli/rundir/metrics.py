@@ -106,6 +106,7 @@ class Reporter:
             "loss_tokens": result.loss_tokens,
             "rows": result.rows,
             "tokens": result.tokens,
+            "positions": result.positions,
             "grad_norm": result.grad_norm,
             "lr": result.lr,
             "tokens_per_s": result.tokens / step_seconds,

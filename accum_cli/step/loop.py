@@ -68,6 +68,7 @@ class StepResult:
     skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
     aux_loss: float | None = None  # MoE router balancing loss (unweighted), when the model asks for it
     rows: int = 0  # global: rows (documents) the step held; packed rows count one each, else one per sequence
+    positions: int = 0  # global: positions the forwards computed, padding included
 
 
 def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
@@ -131,13 +132,12 @@ def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple
     return step_counts(microbatches, device)[:2]
 
 
-def step_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int, int]:
-    """The step's global loss tokens, tokens and rows, in one all-reduce."""
-    local = [sum(mb.loss_tokens for mb in microbatches), sum(mb.tokens for mb in microbatches),
-             sum(mb.rows for mb in microbatches)]  # fmt: skip
-    counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
-    loss_tokens, tokens, rows = (int(c) for c in counts.tolist())
-    return loss_tokens, tokens, rows
+def step_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int, int, int]:
+    """The step's global loss tokens, tokens, rows and positions computed, in one all-reduce."""
+    local = [[mb.loss_tokens, mb.tokens, mb.rows, mb.positions] for mb in microbatches]
+    counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device).sum(0))
+    loss_tokens, tokens, rows, positions = (int(c) for c in counts.tolist())
+    return loss_tokens, tokens, rows, positions
 
 
 def where_nonfinite(mb_losses: list[torch.Tensor], device: torch.device) -> str:
@@ -178,12 +178,12 @@ def train_step(
     on_nonfinite: str = "abort",
     moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
-    loss_tokens, tokens, rows = step_counts(microbatches, device)
+    loss_tokens, tokens, rows, positions = step_counts(microbatches, device)
     if loss_tokens == 0:  # nothing to learn from (every completion cut off, say)
         if on_nonfinite == "skip":  # dropped on every rank alike, as a non-finite step is
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
-            return StepResult(math.nan, 0, tokens, math.nan, lr, skipped=True, rows=rows)
+            return StepResult(math.nan, 0, tokens, math.nan, lr, skipped=True, rows=rows, positions=positions)
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
     config = getattr(model, "config", None)
@@ -239,10 +239,20 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         if on_nonfinite == "skip":
             scheduler.step()  # the schedule follows the step count, applied or not
-            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True, aux_loss=aux_loss, rows=rows)
+            return StepResult(
+                loss,
+                loss_tokens,
+                tokens,
+                grad_norm,
+                lr,
+                skipped=True,
+                aux_loss=aux_loss,
+                rows=rows,
+                positions=positions,
+            )
         raise NonFiniteError(f"step {step}: {where_nonfinite(mb_losses, device)}; loss {loss}, grad norm {grad_norm}")
 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss, rows=rows)
+    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss, rows=rows, positions=positions)
