@@ -204,6 +204,34 @@ def test_document_masking_restarts_positions_after_each_eos_and_keeps_documents_
     assert rel_err(masked, alone) < TOL and rel_err(crossing, alone) > 100 * TOL
 
 
+def test_row_by_row_attention_on_a_cpu_equals_the_masked_square(tmp_path):
+    """cpu/attention.py: a packed microbatch's attention one row at a time gives the logits and gradients that
+    sdpa under transformers' block-diagonal mask gives (Llama with grouped key/value heads)."""
+    from accum_cli.cpu import attention
+    from accum_cli.data.batches import collate
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(3, 300, n) for n in (7, 12, 5, 9, 20)]
+    packed = [np.concatenate(rows[:3]), np.concatenate(rows[3:])]
+    positions = [np.concatenate([np.arange(len(r)) for r in rows[:3]]), np.concatenate([np.arange(9), np.arange(20)])]
+    mb = collate([(ids, ids.copy(), pos) for ids, pos in zip(packed, positions, strict=True)], pad_id=0)
+    assert attention.spans(mb.position_ids) == [[(0, 7), (7, 19), (19, 24), (24, 29)], [(0, 9), (9, 29)]]
+
+    def forward_backward(apart: bool):
+        model.zero_grad()
+        with attention.rows_apart(mb.position_ids if apart else None):
+            logits = model(**mb.model_inputs(), use_cache=False).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    (masked, masked_grads), (apart, apart_grads) = forward_backward(False), forward_backward(True)
+    real = mb.attention_mask.bool()
+    assert rel_err(apart[real], masked[real]) < TOL and rel_err(apart_grads, masked_grads) < TOL
+    sdpa = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert sdpa.__module__.startswith("transformers"), "the model's own sdpa is back after the forward"
+
+
 def test_document_masking_trains_text_and_is_refused_for_rows(tmp_path):
     model = save_tiny_model(tmp_path / "m", chat_template=CHAT_TEMPLATE)
     text = tmp_path / "text.jsonl"

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from accum_cli.config import policy
+from accum_cli.cpu import attention as cpu_attention
 from accum_cli.data.batches import Microbatch
 from accum_cli.loss import fused_loss, vocab_parallel
 from accum_cli.loss.tokens import token_loss_sum
@@ -109,7 +110,9 @@ def microbatch_backward(
     # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
     # The output projection left to the loss, where it is fused; the vocabulary matrices used where
     # they lie, where the sharded layout can.
-    with vocab_parallel.diverted(model), fused_loss.recording(model):
+    # Packed rows on a CPU: attention one row at a time, not the masked square (cpu/attention.py).
+    rows_apart = cpu_attention.rows_apart(mb.position_ids if device.type == "cpu" else None)
+    with vocab_parallel.diverted(model), fused_loss.recording(model), rows_apart:
         out = model(**mb.model_inputs(), use_cache=False)
     recorded = fused_loss.recorded(model, out.logits)
     mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
