@@ -25,7 +25,7 @@ by their loss tokens). The table gives each layout's median over the rounds and 
 within each round.
 
     make bench-packing                      # seq 2048, 2 rounds; see docs/BENCHMARKS.md for the time it takes
-    .venv/bin/python bench/packing.py --quick   # seq 256, a tiny model and corpus: a smoke run (~1 min)
+    .venv/bin/python bench/packing.py --quick   # seq 256, a tiny model and corpus: a smoke run (1.5 min on 2 shared cores)
 
 A benchmark, not a test: it exits 0 whatever the figures are, non-zero only on a crash.
 """
