@@ -134,8 +134,8 @@ MUTANTS = [
            "microbatch_backward(model, mb, sync, is_last, max(mb.loss_tokens, 1) * len(microbatches), device, "
            "share, router)", eq_case("model-2-3-every")),
     Mutant("loop: counts swapped", "accum_cli/step/loop.py",
-           "loss_tokens, tokens = (int(c) for c in counts.tolist())",
-           "tokens, loss_tokens = (int(c) for c in counts.tolist())", eq_case("model-2-3-every")),
+           "loss_tokens, tokens, rows, positions = (int(c) for c in counts.tolist())",
+           "tokens, loss_tokens, rows, positions = (int(c) for c in counts.tolist())", eq_case("model-2-3-every")),
     Mutant("loop: the reported loss is rank 0's own", "accum_cli/step/loop.py",
            "    ce_sum, aux = sums[:2].tolist()",
            "    ce_sum, aux = torch.stack([torch.stack(mb_losses).sum(), torch.stack(mb_aux).sum()]).tolist()",
