@@ -128,7 +128,8 @@ def test_pretokenised_rows_padded_packed_or_truncated(model, tmp_path):
     assert "format            tokens, one document per row" in as_is
     assert "tokens            92 " in as_is  # attention_mask zeros dropped: 8 + 18 + 28 + 38
     packed = summary("--packing", "--seq-len", "16")  # rows stay whole, stored as rows; packed when read
-    assert "format            tokens, one document per row" in packed and "tokens            92 " in packed
+    assert "format            tokens, rows packed whole into sequences (--packing)" in packed
+    assert "tokens            92 " in packed and "samples           4 packed sequences of 4 rows;" in packed
     truncated = summary("--no-packing", "--seq-len", "16")
     assert "truncated         3 documents" in truncated
 

@@ -82,21 +82,69 @@ def test_a_step_over_packed_rows_equals_the_step_over_the_same_rows_unpacked(tmp
     unpacked, _ = one_step(model, data, tmp_path / "rows", n_rows)
     packed, header = one_step(model, data, tmp_path / "packed", bins, "--packing")
     line = next(x for x in header.splitlines() if x.strip().startswith("packing "))
-    assert f"{n_rows} rows whole into {bins} sequences of up to {SEQ} tokens (about {n_rows:.1f} rows a step)" in line
+    assert f"{n_rows} rows whole into {bins} sequences of up to {SEQ} tokens (about {n_rows:.1f} rows, " in line
+    assert f", {unpacked['loss_tokens']:,} loss tokens a step)" in line  # the step holds every row
     share, padded = (int(x.split("%")[0].rsplit(" ", 1)[1]) for x in line.split(";")[1].split(","))
     assert 0 < padded < share <= 100, line  # packed rows waste fewer positions than padded ones
     assert "one epoch = 1 optimizer steps" in header, header
     assert packed["loss_tokens"] == unpacked["loss_tokens"], (packed, unpacked)
     assert packed["tokens"] == unpacked["tokens"], (packed, unpacked)
+    assert packed["rows"] == unpacked["rows"] == n_rows, (packed, unpacked)  # rows packed; unpacked: sequences
+    assert packed["positions"] < unpacked["positions"], (packed, unpacked)  # less padding computed
+    assert packed["tokens"] <= packed["positions"] <= bins * SEQ, packed
     errors = rel_err(packed["loss"], unpacked["loss"]), rel_err(packed["grad_norm"], unpacked["grad_norm"])
     print(f"{arch}: {n_rows} rows in {bins} sequences; rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")
     assert errors[0] < TOL and errors[1] < TOL, (packed, unpacked)
     if arch == "llama-chat":  # 2 ranks sharded (FSDP2), 3 sequences each (microbatches of 2 and 1): the same step
         two, _ = one_step(model, data, tmp_path / "packed2", bins, "--packing", "--layout", "shard", nproc=2)
-        assert two["loss_tokens"] == unpacked["loss_tokens"], (two, unpacked)
+        assert two["loss_tokens"] == unpacked["loss_tokens"] and two["rows"] == n_rows, (two, unpacked)
         errors = rel_err(two["loss"], unpacked["loss"]), rel_err(two["grad_norm"], unpacked["grad_norm"])
         print(f"{arch} on 2 sharded ranks: rel err loss {errors[0]:.1e}, grad norm {errors[1]:.1e}")
         assert errors[0] < TOL and errors[1] < TOL, (two, unpacked)
+
+
+def test_prepare_only_reports_rows_and_the_packed_sequences_they_make(tmp_path):
+    model = save_tiny_model(tmp_path / "m", chat_template=CHAT_TEMPLATE)
+    data = write_chat(tmp_path / "chat.jsonl", 40)
+    bins = packed_count(model, data)
+    result = run_cli(["--prepare-only", "--model", str(model), "--dataset", str(data), "--output-dir",
+                      str(tmp_path / "o"), "--seq-len", str(SEQ), "--global-batch", "4", "--packing",
+                      "--seed", str(SEED)])  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "format            chat, rows packed whole into sequences (--packing)" in result.stdout
+    assert f"samples           {bins} packed sequences of 40 rows; one epoch = {bins // 4} optimizer steps of 4" in (
+        result.stdout
+    )
+    assert f"packing           40 rows whole into {bins} sequences of up to {SEQ} tokens" in result.stdout
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_packed_run_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path):
+    """Packed rows across an epoch boundary (16 sequences, 4 a step), interrupted after step 3: the resumed
+    steps on 1 rank and elastically on 2 equal the uninterrupted run's (the same packing, the same order)."""
+    model = save_tiny_model(tmp_path / "m", chat_template=CHAT_TEMPLATE)
+    data = write_chat(tmp_path / "chat.jsonl", 40)
+
+    def run(out: Path, *extra: str, nproc: int = 1) -> list[dict]:
+        result = run_cli(["--model", str(model), "--dataset", str(data), "--output-dir", str(out), "--seq-len",
+                          str(SEQ), "--global-batch", "4", "--micro-batch", "2", "--max-steps", "6", "--seed",
+                          str(SEED), "--lr", "3e-3", "--warmup-steps", "2", "--packing", *extra], nproc=nproc)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        return read_metrics(out)
+
+    whole = run(tmp_path / "whole", "--checkpoint-every", "3")
+    assert packed_count(model, data) == 16 and [m["step"] for m in whole] == [1, 2, 3, 4, 5, 6]
+    checkpoint = str(tmp_path / "whole" / "checkpoints" / "step-000003")
+    for nproc, tol in ((1, 1e-6), (2, 1e-5)):
+        resumed = run(tmp_path / f"resumed{nproc}", "--resume", checkpoint, nproc=nproc)
+        assert [m["step"] for m in resumed] == [4, 5, 6], resumed
+        for got, want in zip(resumed, whole[3:], strict=True):
+            assert (got["rows"], got["loss_tokens"], got["tokens"]) == (
+                want["rows"],
+                want["loss_tokens"],
+                want["tokens"],
+            )
+            assert rel_err(got["loss"], want["loss"]) < tol and rel_err(got["grad_norm"], want["grad_norm"]) < 10 * tol
 
 
 def test_a_model_with_alibi_is_refused_in_one_line_before_any_work(tmp_path):
@@ -147,11 +195,41 @@ def test_document_masking_restarts_positions_after_each_eos_and_keeps_documents_
     ids = np.array(first + second)
     labels = ids.copy()
     mb = collate([(ids, labels, packing.document_positions(ids, 1)), (ids[:3], labels[:3], np.arange(3))], pad_id=0)
+    assert mb.rows == 3  # the documents the microbatch holds (its padding, positions from 0 too, is none)
+    assert mb.positions == 2 * len(ids) and mb.tokens == len(ids) + 3  # padding computed, not counted
     with torch.no_grad():
         masked = model(**mb.model_inputs(), use_cache=False).logits[0, len(first) :]  # a cache turns packing off
         alone = model(input_ids=torch.tensor([second])).logits[0]
         crossing = model(input_ids=torch.from_numpy(ids)[None]).logits[0, len(first) :]
     assert rel_err(masked, alone) < TOL and rel_err(crossing, alone) > 100 * TOL
+
+
+def test_row_by_row_attention_on_a_cpu_equals_the_masked_square(tmp_path):
+    """cpu/attention.py: a packed microbatch's attention one row at a time gives the logits and gradients that
+    sdpa under transformers' block-diagonal mask gives (Llama with grouped key/value heads)."""
+    from accum_cli.cpu import attention
+    from accum_cli.data.batches import collate
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(3, 300, n) for n in (7, 12, 5, 9, 20)]
+    packed = [np.concatenate(rows[:3]), np.concatenate(rows[3:])]
+    positions = [np.concatenate([np.arange(len(r)) for r in rows[:3]]), np.concatenate([np.arange(9), np.arange(20)])]
+    mb = collate([(ids, ids.copy(), pos) for ids, pos in zip(packed, positions, strict=True)], pad_id=0)
+    assert attention.spans(mb.position_ids) == [[(0, 7), (7, 19), (19, 24), (24, 29)], [(0, 9), (9, 29)]]
+
+    def forward_backward(apart: bool):
+        model.zero_grad()
+        with attention.rows_apart(mb.position_ids if apart else None):
+            logits = model(**mb.model_inputs(), use_cache=False).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    (masked, masked_grads), (apart, apart_grads) = forward_backward(False), forward_backward(True)
+    real = mb.attention_mask.bool()
+    assert rel_err(apart[real], masked[real]) < TOL and rel_err(apart_grads, masked_grads) < TOL
+    sdpa = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert sdpa.__module__.startswith("transformers"), "the model's own sdpa is back after the forward"
 
 
 def test_document_masking_trains_text_and_is_refused_for_rows(tmp_path):

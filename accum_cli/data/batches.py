@@ -52,6 +52,21 @@ class Microbatch:
         """Unpadded tokens; none in a placeholder."""
         return 0 if self.empty else int(self.attention_mask.sum())
 
+    @property
+    def positions(self) -> int:
+        """Positions the forward computes, padding included; none in a placeholder."""
+        return 0 if self.empty else int(self.input_ids.numel())
+
+    @property
+    def rows(self) -> int:
+        """Rows (documents) held: packed rows count one per run of real positions from 0, else one per
+        sequence; none in a placeholder."""
+        if self.empty:
+            return 0
+        if self.position_ids is None:
+            return int(self.input_ids.shape[0])
+        return int(((self.position_ids == 0) & (self.attention_mask == 1)).sum())
+
     def to(self, device: torch.device) -> Microbatch:
         positions = None if self.position_ids is None else self.position_ids.to(device, non_blocking=True)
         return Microbatch(

@@ -237,13 +237,21 @@ class Stats:
     longest_document: int = 0  # tokens in the longest row before --seq-len cut it
     without_eos: int = 0  # chat rows whose answers hold no EOS
 
-    def describe(self, global_batch: int) -> list[str]:
+    def shape(self, rows_packed: int) -> str:
+        if rows_packed:
+            return "rows packed whole into sequences (--packing)"
+        return "packed into blocks" if self.packed else "one document per row"
+
+    def describe(self, global_batch: int, rows_packed: int = 0) -> list[str]:
+        """Every detail (--verbose, --prepare-only). `rows_packed`: the rows that --packing of rows placed into
+        the samples, which are then packed sequences."""
         steps = self.samples // global_batch
+        samples = f"{self.samples:,} packed sequences of {rows_packed:,} rows" if rows_packed else f"{self.samples:,}"
         lines = [
-            f"format            {self.format}, {'packed into blocks' if self.packed else 'one document per row'}",
+            f"format            {self.format}, {self.shape(rows_packed)}",
             f"documents         {self.documents:,}",
             f"tokens            {self.tokens:,} ({self.loss_tokens:,} count in the loss)",
-            f"samples           {self.samples:,}; one epoch = {steps:,} optimizer steps of {global_batch}",
+            f"samples           {samples}; one epoch = {steps:,} optimizer steps of {global_batch}",
         ]
         if self.stored_bytes:
             lines.append(
@@ -251,11 +259,10 @@ class Stats:
             )
         return lines + self.warnings()
 
-    def summary(self, global_batch: int) -> list[str]:
+    def summary(self, global_batch: int, rows_packed: int = 0) -> list[str]:
         """The run header's data line, and the warnings; describe() has every detail (--verbose)."""
-        shape = "packed into blocks" if self.packed else "one document per row"
         return [
-            f"data              {self.format}, {shape}: {self.documents:,} documents, {self.tokens:,} tokens "
+            f"data              {self.format}, {self.shape(rows_packed)}: {self.documents:,} documents, {self.tokens:,} tokens "
             f"({self.loss_tokens:,} in the loss); one epoch = {self.samples // global_batch:,} optimizer steps",
             *self.warnings(),
         ]

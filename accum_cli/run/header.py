@@ -87,6 +87,11 @@ def stream_position(s: Setup) -> str:
     )
 
 
+def rows_packed(s: Setup) -> int:
+    """The rows --packing placed into the samples (0 where the samples are not packed rows)."""
+    return s.dataset.n_rows if isinstance(s.dataset, packing.PackedRows) else 0
+
+
 def describe_packing(s: Setup, seed: int) -> list[str]:
     """--packing of rows: how many rows a step holds, and the share of computed positions that are real tokens,
     packed and as the same rows padded would be (the first epoch's seeded order, microbatches of the plan's)."""
@@ -98,9 +103,11 @@ def describe_packing(s: Setup, seed: int) -> list[str]:
     rows = packed.n_rows
     share = packing.real_share(packed.sequence_lengths()[SampleOrder(len(packed), seed).permutation(0)], micro)
     padded = packing.real_share(packed.lengths[SampleOrder(rows, seed).permutation(0)], micro)
+    per_step = rows * g / len(packed)
+    loss_tokens = f", {per_step * s.stats.loss_tokens / max(s.stats.documents, 1):,.0f} loss tokens" if s.stats else ""
     return [
         f"packing           {rows:,} rows whole into {len(packed):,} sequences of up to {packed.seq_len} tokens "
-        f"(about {rows * g / len(packed):,.1f} rows a step); real tokens per position {share:.0%}, "
+        f"(about {per_step:,.1f} rows{loss_tokens} a step); real tokens per position {share:.0%}, "
         f"padded rows {padded:.0%}"
     ]
 
@@ -123,7 +130,11 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
         f"model             {s.source.name}: {s.size.n_params:,} parameters{initialised}, {attention} attention",
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
         describe_tokenizer(s.tokenizer),
-        *(s.stats.summary(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *(
+            s.stats.summary(s.plan.global_batch, rows_packed(s))
+            if s.stats is not None
+            else [f"data              {s.streaming}"]
+        ),
         *describe_packing(s, cfg.seed),
         *([] if s.stats is not None or s.resume is None else [stream_position(s)]),
         f"training          {s.total_steps} optimizer steps{evaluation}; lr {lr_schedule(*schedule)}",
@@ -181,7 +192,11 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         describe_tokenizer(s.tokenizer),
-        *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *(
+            s.stats.describe(s.plan.global_batch, rows_packed(s))
+            if s.stats is not None
+            else [f"data              {s.streaming}"]
+        ),
         *describe_packing(s, cfg.seed),
         f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"

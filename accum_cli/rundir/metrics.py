@@ -104,7 +104,9 @@ class Reporter:
             "step": step + 1,  # optimizer steps completed: as the console, checkpoints and trackers say
             "loss": result.loss,
             "loss_tokens": result.loss_tokens,
+            "rows": result.rows,
             "tokens": result.tokens,
+            "positions": result.positions,
             "grad_norm": result.grad_norm,
             "lr": result.lr,
             "tokens_per_s": result.tokens / step_seconds,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accum_cli.cpu import attention as cpu_attention
 from accum_cli.data.batches import MicrobatchReader
 from accum_cli.loss.tokens import token_loss_sum
 from accum_cli.parallel.runtime import all_reduce_sum
@@ -34,7 +35,8 @@ def eval_loss(model: nn.Module, reader: MicrobatchReader, rank: int, world_size:
     model.eval()
     for j in range(passes):
         mb = reader.read(mine[j * micro_batch : (j + 1) * micro_batch]).to(device)
-        logits = model(**mb.model_inputs(), use_cache=False).logits
+        with cpu_attention.rows_apart(mb.position_ids if device.type == "cpu" else None):  # cpu/attention.py
+            logits = model(**mb.model_inputs(), use_cache=False).logits
         totals[0] += token_loss_sum(logits, mb.labels).double()
         totals[1] += mb.loss_tokens
     model.train(was_training)

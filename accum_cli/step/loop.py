@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from accum_cli.config import policy
+from accum_cli.cpu import attention as cpu_attention
 from accum_cli.data.batches import Microbatch
 from accum_cli.loss import fused_loss, vocab_parallel
 from accum_cli.loss.tokens import token_loss_sum
@@ -67,6 +68,8 @@ class StepResult:
     lr: float  # the learning rate this step used
     skipped: bool = False  # non-finite values with --on-nonfinite skip: nothing was applied
     aux_loss: float | None = None  # MoE router balancing loss (unweighted), when the model asks for it
+    rows: int = 0  # global: rows (documents) the step held; packed rows count one each, else one per sequence
+    positions: int = 0  # global: positions the forwards computed, padding included
 
 
 def set_sync_flags(model: nn.Module, sync: str, is_last: bool) -> None:
@@ -107,7 +110,9 @@ def microbatch_backward(
     # No KV cache: training never reads it, and filling one guards a compiled layer on its index.
     # The output projection left to the loss, where it is fused; the vocabulary matrices used where
     # they lie, where the sharded layout can.
-    with vocab_parallel.diverted(model), fused_loss.recording(model):
+    # Packed rows on a CPU: attention one row at a time, not the masked square (cpu/attention.py).
+    rows_apart = cpu_attention.rows_apart(mb.position_ids if device.type == "cpu" else None)
+    with vocab_parallel.diverted(model), fused_loss.recording(model), rows_apart:
         out = model(**mb.model_inputs(), use_cache=False)
     recorded = fused_loss.recorded(model, out.logits)
     mb_loss_sum = fused_loss.token_loss_sum(recorded, mb.labels) if recorded else token_loss_sum(out.logits, mb.labels)
@@ -127,10 +132,15 @@ def microbatch_backward(
 
 
 def global_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int]:
-    local = [sum(mb.loss_tokens for mb in microbatches), sum(mb.tokens for mb in microbatches)]
-    counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
-    loss_tokens, tokens = (int(c) for c in counts.tolist())
-    return loss_tokens, tokens
+    return step_counts(microbatches, device)[:2]
+
+
+def step_counts(microbatches: list[Microbatch], device: torch.device) -> tuple[int, int, int, int]:
+    """The step's global loss tokens, tokens, rows and positions computed, in one all-reduce."""
+    local = [[mb.loss_tokens, mb.tokens, mb.rows, mb.positions] for mb in microbatches]
+    counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device).sum(0))
+    loss_tokens, tokens, rows, positions = (int(c) for c in counts.tolist())
+    return loss_tokens, tokens, rows, positions
 
 
 def where_nonfinite(mb_losses: list[torch.Tensor], device: torch.device) -> str:
@@ -171,12 +181,12 @@ def train_step(
     on_nonfinite: str = "abort",
     moe_aux_loss: str = moe.EXACT,
 ) -> StepResult:
-    loss_tokens, tokens = global_counts(microbatches, device)
+    loss_tokens, tokens, rows, positions = step_counts(microbatches, device)
     if loss_tokens == 0:  # nothing to learn from (every completion cut off, say)
         if on_nonfinite == "skip":  # dropped on every rank alike, as a non-finite step is
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
-            return StepResult(math.nan, 0, tokens, math.nan, lr, skipped=True)
+            return StepResult(math.nan, 0, tokens, math.nan, lr, skipped=True, rows=rows, positions=positions)
         raise NonFiniteError(f"step {step} has no loss tokens: every label is -100")
 
     config = getattr(model, "config", None)
@@ -232,10 +242,20 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         if on_nonfinite == "skip":
             scheduler.step()  # the schedule follows the step count, applied or not
-            return StepResult(loss, loss_tokens, tokens, grad_norm, lr, skipped=True, aux_loss=aux_loss)
+            return StepResult(
+                loss,
+                loss_tokens,
+                tokens,
+                grad_norm,
+                lr,
+                skipped=True,
+                aux_loss=aux_loss,
+                rows=rows,
+                positions=positions,
+            )
         raise NonFiniteError(f"step {step}: {where_nonfinite(mb_losses, device)}; loss {loss}, grad norm {grad_norm}")
 
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss)
+    return StepResult(loss, loss_tokens, tokens, grad_norm, lr, aux_loss=aux_loss, rows=rows, positions=positions)
