@@ -50,6 +50,8 @@ EXEMPT = {
     "make test": "the suite itself, which this test is part of: CI runs it (.ci/run)",
     "make setup": "installs from the package index; `make test` runs it first",
     "make run": "trains the whole embedded default (about a minute): `make setup run` above",
+    "make bench-packing": "a benchmark of about 8 minutes at seq 2048; tests/test_bench_packing.py checks its "
+    "corpus, arguments and figures",
     "accum-train --nproc 8 --nnodes 4 --node-rank I --master-addr NODE0 ...": "four machines",
     "sbatch --nodes 4 recipes/slurm/train.sbatch recipes/llama-3.2-1b-fineweb-edu.yaml": "a Slurm cluster of "
     "GPU nodes and the hub's model and dataset (tests/test_config.py runs the script with srun, scontrol and "
