@@ -10,12 +10,13 @@ from accum_cli.data import packing
 from accum_cli.data.batches import SampleOrder
 from accum_cli.model import load as modeling
 from accum_cli.parallel import runtime
+from accum_cli.run.planning import stage_plan
 from accum_cli.run.setup import Setup
 from accum_cli.rundir import checkpoint_meta
 
 
 def describe_resume(
-    meta: checkpoint_meta.Meta, plan: Plan, data_changed: bool = False, auto: bool = False
+    meta: checkpoint_meta.Meta, plan: Plan, data_changed: bool = False, auto: bool = False, scheduled: bool = False
 ) -> list[str]:
     how = " (auto: the newest complete one)" if auto else ""
     lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
@@ -30,6 +31,11 @@ def describe_resume(
         lines.append(
             "data changed     --allow-data-change: the data or its order differs from the checkpoint's, "
             "so the training differs from an uninterrupted run"
+        )
+    elif scheduled:  # the checkpoint's --batch-schedule, continued where it stopped (the stage may have changed)
+        lines.append(
+            f"unchanged        --batch-schedule {meta.batch_schedule} and the data order (seed {meta.seed}): "
+            "the same training as an uninterrupted run"
         )
     elif meta.global_batch == plan.global_batch:
         lines.append(
@@ -160,7 +166,15 @@ def _conditions(s: Setup, resume: str | None) -> list[str]:
         )
     if s.resume is not None:
         auto = resume == RESUME_AUTO
-        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+        plan, meta = s.plan, s.resume
+        if s.schedule is not None:  # the stage the run continues in
+            plan = stage_plan(s.plan, s.schedule.batch_at(meta.step, meta.samples, s.seq_len))
+        now = s.schedule.text if s.schedule is not None else ""
+        scheduled = bool(now) and meta.batch_schedule == now
+        lines += describe_resume(meta, plan, data_changed=meta.data != s.data_id, auto=auto, scheduled=scheduled)
+        if meta.batch_schedule != now:  # --allow-data-change let it through (planning.check_schedule)
+            lines.append(f"schedule changed --allow-data-change: {meta.batch_schedule or 'none'} -> {now or 'none'}; "
+                         "the training differs from an uninterrupted run")  # fmt: skip
     elif resume == RESUME_AUTO:
         lines.append(
             f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint_meta.CHECKPOINTS}, starting fresh"
