@@ -133,3 +133,24 @@ def test_recipe_layers(tmp_path):
     assert build_config(str(recipe), {"global_batch": 32}).batch_schedule is None  # a flag replaces the recipe's
     recipe.write_text("global_batch: 16\n")
     assert build_config(str(recipe), {"batch_schedule": "0:4,1K:8"}).global_batch == 8
+
+
+def test_the_length_from_epochs_or_max_tokens_is_whole_steps_of_the_stages():
+    from accum_cli.config.plan import Plan
+    from accum_cli.run.planning import run_length
+
+    cfg = build_config(None, {"batch_schedule": "0:5,2s:9"})
+    schedule, plan = bs.of_config(cfg), Plan(9, 4, 1)
+    steps, segments = run_length(cfg, schedule, None, 38, 40, plan)  # one epoch of 40: 5+5+9+9+9 = 37
+    assert steps == 5 and [(g.global_batch, g.steps) for g in segments] == [(5, 2), (9, 3)]
+    cfg = build_config(None, {"batch_schedule": "0:5,2s:9", "max_tokens": "1K"})  # 1000 // 38 = 26 samples
+    assert run_length(cfg, schedule, None, 38, 40, plan)[0] == 3
+    with pytest.raises(UserError, match=r"--max-tokens 100 \(2 sequences of 38 tokens\) holds no whole step"):
+        run_length(build_config(None, {"batch_schedule": "0:5,2s:9", "max_tokens": "100"}), schedule, None, 38, 40, plan)
+    cfg = build_config(None, {"global_batch": 8, "max_tokens": "1K"})  # no schedule: whole steps of the batch
+    assert run_length(cfg, None, None, 38, 40, Plan(8, 4, 1)) == (3, [])
+
+
+def test_verify_refuses_a_schedule():
+    line = error_line(run_cli(["verify", "--batch-schedule", "0:4,1K:8", "--seq-len", "64"]))
+    assert "verify checks the first steps at one global batch; drop --batch-schedule" in line

@@ -123,3 +123,10 @@ def test_a_resume_with_another_schedule_is_refused_unless_allowed(root, runs, tm
     allowed = ok(run_cli(args(root, out, 4, "--resume", str(checkpoint), "--allow-data-change", schedule="0:5,2s:10")))
     assert "schedule changed --allow-data-change: 0s:5,2s:9 -> 0s:5,2s:10" in allowed.stdout
     assert [m["global_batch"] for m in read_metrics(out)] == [10, 10]
+
+
+def test_the_report_marks_the_stages(runs):
+    from accum_cli.rundir.report import read_run, summary
+
+    records, plan = read_run(runs[2][0])
+    assert "global batch 5, 9 from step 3 (dotted)" in summary(runs[2][0], records, plan)
