@@ -130,3 +130,25 @@ def test_the_report_marks_the_stages(runs):
 
     records, plan = read_run(runs[2][0])
     assert "global batch 5, 9 from step 3 (dotted)" in summary(runs[2][0], records, plan)
+
+
+def test_a_runs_config_json_reruns_the_schedule(runs):
+    from accum_cli.config.settings import build_config
+
+    cfg = build_config(str(runs[1][0] / "config.json"), {})
+    assert (cfg.batch_schedule, cfg.batch_schedule_lr, cfg.global_batch) == (SCHEDULE, "sqrt", 9)
+
+
+def test_token_thresholds_and_max_tokens_on_packed_text(tmp_path):
+    """The embedded corpus packed into 128-token sequences: 2K tokens are passed after 4 steps of 4 (2,048),
+    so step 5 is the second stage's; --max-tokens 5K holds 39 sequences: 4 x 4 + 2 x 8 = 32, a third 8 would
+    pass it. W=1 (m=8) and W=2 (m=3) train the same."""
+    common = ["--batch-schedule", "0:4,2K:8", "--max-tokens", "5K", "--seq-len", "128", "--seed", "1",
+              "--lr", "1e-3", "--warmup-steps", "0"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(run_cli([*common, "--micro-batch", "8", "--output-dir", str(one)]))
+    ok(run_cli([*common, "--micro-batch", "3", "--output-dir", str(two)], nproc=2))
+    assert [m["global_batch"] for m in read_metrics(one)] == [4, 4, 4, 4, 8, 8]
+    loss, norm = worst(read_metrics(two), read_metrics(one))
+    print(f"tokens thresholds, W=1 m=8 vs W=2 m=3: loss rel {loss:.2e}, grad norm rel {norm:.2e}")
+    assert loss < TOL and norm < 10 * TOL
