@@ -152,3 +152,32 @@ def test_token_thresholds_and_max_tokens_on_packed_text(tmp_path):
     loss, norm = worst(read_metrics(two), read_metrics(one))
     print(f"tokens thresholds, W=1 m=8 vs W=2 m=3: loss rel {loss:.2e}, grad norm rel {norm:.2e}")
     assert loss < TOL and norm < 10 * TOL
+
+
+def test_a_mixture_of_experts_router_loss_stays_exact_through_a_stage(root, tmp_path):
+    """Qwen3-MoE with its router balancing loss (exact: the step's expert choices counted first): the schedule
+    on W=1 (m=4) and W=2 (m=3) gives the same loss, router loss and gradient norm at every step."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, head_dim=8, decoder_sparse_step=1,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    out = {}
+    for world, micro in ((1, 4), (2, 3)):
+        out[world] = tmp_path / f"w{world}"
+        flags = args(root, out[world], micro)
+        flags[flags.index("--model") + 1] = str(tmp_path / "moe")
+        result = ok(run_cli(flags, nproc=world))
+        assert "microbatch" in result.stdout and (world == 1 or "of at most 3" in result.stdout)
+    one, two = read_metrics(out[1]), read_metrics(out[2])
+    assert [m["global_batch"] for m in one] == BATCHES and all(m["aux_loss"] > 0 for m in one)
+    loss, norm = worst(two, one)
+    aux = max(rel_err(a["aux_loss"], b["aux_loss"]) for a, b in zip(one, two, strict=True))
+    print(f"MoE, W=1 m=4 vs W=2 m=3: loss rel {loss:.2e}, router loss rel {aux:.2e}, grad norm rel {norm:.2e}")
+    assert loss < TOL and aux < TOL and norm < 10 * TOL
