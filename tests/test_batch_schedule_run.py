@@ -181,3 +181,21 @@ def test_a_mixture_of_experts_router_loss_stays_exact_through_a_stage(root, tmp_
     aux = max(rel_err(a["aux_loss"], b["aux_loss"]) for a, b in zip(one, two, strict=True))
     print(f"MoE, W=1 m=4 vs W=2 m=3: loss rel {loss:.2e}, router loss rel {aux:.2e}, grad norm rel {norm:.2e}")
     assert loss < TOL and aux < TOL and norm < 10 * TOL
+
+
+def test_streaming_through_the_stages_to_the_streams_end_and_a_resume_on_another_world_size(root, tmp_path):
+    """40 rows streamed: steps of 5, 5, 9, 9 take 28; the third stage's 13 would need 41, so the stream ends
+    after step 4, seen one step ahead with the next stage's batch. A resume after step 1 on W=2 (m=3) reads
+    the stream again to sample 5 and equals the uninterrupted run."""
+    common = ["--streaming", "--shuffle-buffer", "8", "--max-steps", "100"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    schedule = "0:5,2s:9,4s:13"
+    result = ok(run_cli(args(root, first, 4, *common, "--checkpoint-every", "1", "--keep-checkpoints", "9",
+                            schedule=schedule)))  # fmt: skip
+    assert "the stream ends after step 4 (28 samples): the last step" in result.stdout
+    assert [m["global_batch"] for m in read_metrics(first)] == BATCHES
+    checkpoint = str(first / "checkpoints" / "step-000001")
+    ok(run_cli(args(root, resumed, 3, *common, "--resume", checkpoint, schedule=schedule), nproc=2))
+    loss, norm = worst(read_metrics(resumed), read_metrics(first))
+    print(f"streaming, resumed after step 1 on W=2 m=3: loss rel {loss:.2e}, grad norm rel {norm:.2e}")
+    assert [m["step"] for m in read_metrics(resumed)] == [2, 3, 4] and loss < TOL and norm < 10 * TOL
