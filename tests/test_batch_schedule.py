@@ -117,10 +117,15 @@ def test_the_config_plans_for_the_largest_stage_and_prints_the_schedule():
      (["--batch-schedule", ""], "--batch-schedule is empty"),
      (["--batch-schedule-lr", "sqrt"], "--batch-schedule-lr sqrt needs --batch-schedule"),
      (["--max-tokens", "1K", "--max-steps", "3"], "--max-steps and --max-tokens both given"),
-     (["--max-tokens", "1.5"], "--max-tokens 1.5 is 1.5 tokens, not a whole number")],
+     (["--max-tokens", "1.5"], "--max-tokens 1.5 is 1.5 tokens, not a whole number"),
+     (["--batch-schedule", "0:4,1K:64", "--world-size", "8"],
+      "--batch-schedule stage 1 (4 sequences): --global-batch 4 is smaller than the world size 8"),
+     (["--batch-schedule", "0:12,1K:64", "--world-size", "8", "--strict-batch", "--micro-batch", "2"],
+      "--batch-schedule stage 1 (12 sequences): --strict-batch: global batch 12 is not a multiple")],
 )  # fmt: skip
 def test_refused_in_one_line(args, message):
-    assert message in error_line(run_cli([*args, "--seq-len", "64", "--plan"]))
+    result = run_cli([*args, "--seq-len", "64", "--plan"])
+    assert message in error_line(result) and result.stdout == ""  # before any plan or estimate
 
 
 def test_recipe_layers(tmp_path):

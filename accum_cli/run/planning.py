@@ -57,6 +57,7 @@ def check_layout(cfg: TrainConfig, world_size: int) -> None:
     if cfg.strict_batch:
         plan.require_divisible()
     policy.shard_size(plan, cfg.replicas)
+    check_schedule(schedules.of_config(cfg), plan, None, cfg)  # every stage's, before any worker starts
 
 
 def plan_before_fit(cfg: TrainConfig, world_size: int) -> Plan:
@@ -101,7 +102,6 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     schedule = schedules.of_config(cfg)
     print_lines(plan.describe(seq_len), "plan" if schedule is None else "plan (the largest stage)")
     if schedule is not None:
-        check_schedule(schedule, plan, None, cfg)
         most = schedules.max_samples(cfg.max_tokens, seq_len) if cfg.max_tokens is not None else None
         segments = schedule.segments(seq_len, max_steps=cfg.max_steps, max_samples=most)
         lines = describe_stages(schedule, segments, plan, seq_len, cfg.batch_schedule_lr, "the data's end (--epochs)")
@@ -189,11 +189,14 @@ def check_schedule(schedule: schedules.Schedule | None, plan: Plan, meta, cfg: T
     """Every stage's plan is valid (--strict-batch: divisible); a resume keeps the checkpoint's schedule
     unless --allow-data-change says otherwise."""
     if schedule is not None:
-        for stage in schedule.stages:
-            staged = stage_plan(plan, stage.global_batch)
-            if cfg.strict_batch:
-                staged.require_divisible()
-            policy.shard_size(staged, cfg.replicas)
+        for number, stage in enumerate(schedule.stages, 1):
+            try:
+                staged = stage_plan(plan, stage.global_batch)
+                if cfg.strict_batch:
+                    staged.require_divisible()
+                policy.shard_size(staged, cfg.replicas)
+            except UserError as exc:
+                raise UserError(f"--batch-schedule stage {number} ({stage.global_batch} sequences): {exc}") from None
     if meta is None:
         return
     now = schedule.text if schedule is not None else ""
