@@ -72,6 +72,7 @@ def test_every_stage_is_the_same_training_on_any_world_size_and_micro_batch(runs
     assert loss < TOL and norm < 10 * TOL
     assert "stage: from step 3 (" in runs[2][1] and "the global batch is 9 sequences" in runs[2][1]
     assert "stage 2           steps 3-4 (2)" in runs[2][1]
+    assert "one epoch = 40 sequences (the steps: the batch schedule below)" in runs[2][1]
     # --batch-schedule-lr sqrt: the second stage's lr is the first's times sqrt(9/5)
     assert [m["lr"] for m in one][:2] == [LR, LR] and math.isclose(one[2]["lr"], LR * math.sqrt(9 / 5), rel_tol=1e-12)
 

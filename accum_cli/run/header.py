@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
@@ -111,6 +112,14 @@ def describe_packing(s: Setup, seed: int) -> list[str]:
     ]
 
 
+def _epoch(s: Setup, lines: list[str]) -> list[str]:
+    """With a --batch-schedule an epoch is no fixed number of steps: said in sequences (the stages follow)."""
+    if s.schedule is None:
+        return lines
+    said = f"one epoch = {s.stats.samples:,} sequences (the steps: the batch schedule below)"
+    return [re.sub(r"one epoch = [0-9,]+ optimizer steps( of [0-9]+)?", said, line) for line in lines]
+
+
 def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
     """The header by default: one line per decision a user checks before the first step (model, data,
     training, device, layout, precision, output), and the lines that only some runs need (warnings,
@@ -129,7 +138,7 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
         f"model             {s.source.name}: {s.size.n_params:,} parameters{initialised}, {attention} attention",
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
         describe_tokenizer(s.tokenizer),
-        *(s.stats.summary(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *(_epoch(s, s.stats.summary(s.plan.global_batch)) if s.stats is not None else [f"data              {s.streaming}"]),
         *describe_packing(s, cfg.seed),
         *([] if s.stats is not None or s.resume is None else [stream_position(s)]),
         f"training          {s.total_steps} optimizer steps{evaluation}; lr {lr_schedule(*schedule)}",
@@ -195,7 +204,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         describe_tokenizer(s.tokenizer),
-        *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
+        *(_epoch(s, s.stats.describe(s.plan.global_batch)) if s.stats is not None else [f"data              {s.streaming}"]),
         *describe_packing(s, cfg.seed),
         f"tokenisation      {tokenised}" if s.stats is not None else stream_position(s),
         f"training          {s.total_steps} optimizer steps"
