@@ -50,6 +50,9 @@ EXEMPT = {
     "make test": "the suite itself, which this test is part of: CI runs it (.ci/run)",
     "make setup": "installs from the package index; `make test` runs it first",
     "make run": "trains the whole embedded default (about a minute): `make setup run` above",
+    "accum-train --model ./my-1b-config --dataset ./corpus --seq-len 2048 --batch-schedule "
+    "0:512,20B:1024,40B:2048 --max-tokens 100B --batch-schedule-lr sqrt --nproc 8": "a 100B-token pretraining "
+    "run on 8 GPUs; tests/test_batch_schedule_run.py runs schedules through the CLI, across stages and resumes",
     "make bench-packing": "a benchmark of about 8 minutes at seq 2048; tests/test_bench_packing.py checks its "
     "corpus, arguments and figures",
     "accum-train --nproc 8 --nnodes 4 --node-rank I --master-addr NODE0 ...": "four machines",

@@ -160,6 +160,9 @@ def main(
     try:
         cfg = build_config(recipe, flags)
         verify_cli.refuse_other_modes(print_config, plan, prepare_only, resume)
+        if verify_cli.requested() is not None and cfg.batch_schedule is not None:
+            raise UserError("verify checks the first steps at one global batch; drop --batch-schedule and verify "
+                            "each stage's batch with --global-batch N")  # fmt: skip
         if print_config:
             print(as_recipe(cfg, PRINT_CONFIG_HEAD), end="")
             return

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from accum_cli.config import batch_schedule as schedules
 from accum_cli.config import batch_tokens, policy, recipe
 from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
 from accum_cli.errors import UserError
@@ -104,11 +105,23 @@ class TrainConfig:
         None, "The global batch in tokens per optimizer step, N / --seq-len sequences (needs --seq-len); K, M, B "
         "are decimal: 4M is 4,000,000.", BATCH, none_means="--global-batch",
     )  # fmt: skip
+    batch_schedule: str | None = option(
+        None, "A global batch that grows: stages THRESHOLD:BATCH, e.g. \"0:256,2B:512\" (from 2e9 tokens trained, "
+        "512 sequences); thresholds in tokens (K, M, B) or steps (500s), batches in sequences or tokens (4M); see "
+        "docs/PRETRAINING.md.", BATCH, none_means="--global-batch",
+    )  # fmt: skip
+    batch_schedule_lr: str = option("none", "--batch-schedule: sqrt multiplies the lr by the square root of each "
+                                    "increase of the batch (as OLMo-core); none leaves it.", BATCH,
+                                    choices=schedules.LR_CHOICES)  # fmt: skip
     micro_batch: str | int = option(8, "Sequences per forward/backward on one rank, or auto: the most that fit "
                                     "(from the memory estimate).", BATCH, ge=1)  # fmt: skip
     strict_batch: bool = option(False, "Refuse a global batch that is not a multiple of micro batch x world size.",
                                 BATCH)  # fmt: skip
     max_steps: int | None = option(None, "Optimizer steps.", BATCH, none_means="--epochs passes over the data", ge=1)
+    max_tokens: str | int | None = option(
+        None, "Train the whole optimizer steps that fit in N tokens (sequences x --seq-len; K, M, B are decimal).",
+        BATCH, none_means="--max-steps, else --epochs",
+    )  # fmt: skip
     epochs: float = option(1.0, "Passes over the data when --max-steps is not given.", BATCH, gt=0, le=1_000_000)
     sync: str = option(policy.AUTO, "When gradients are reduced across ranks (see docs/MEMORY.md).", BATCH,
                        choices=policy.POLICIES)  # fmt: skip
@@ -215,17 +228,8 @@ class TrainConfig:
             self.micro_batch = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else self.micro_batch
         problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
         # "" from an unset shell variable: never taken for the default (no tracker, a run named after its folder)
-        for name in (
-            "model",
-            "dataset",
-            "eval_dataset",
-            "text_column",
-            "dataset_config",
-            "split",
-            "run_name",
-            "report_to",
-            "sample_prompts",
-        ):
+        for name in ("model", "dataset", "eval_dataset", "text_column", "dataset_config", "split", "run_name",
+                     "report_to", "sample_prompts"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")
@@ -235,8 +239,10 @@ class TrainConfig:
             problems.append("--warmup-steps and --warmup-ratio both given; pick one")
         if self.eval_dataset and self.eval_split_ratio:
             problems.append("--eval-dataset and --eval-split-ratio both given; pick one")
-        if self.streaming and self.max_steps is None:
-            problems.append("--streaming needs --max-steps N: a stream has no known length to count --epochs in")
+        if self.streaming and self.max_steps is None and self.max_tokens is None:
+            problems.append("--streaming needs --max-steps N (or --max-tokens N): a stream has no known length to "
+                            "count --epochs in")  # fmt: skip
+        problems += schedules.problems(self.max_steps, self.max_tokens, self.batch_schedule, self.batch_schedule_lr)
         if self.streaming and self.document_masking:
             problems.append("--document-masking needs prepared data; it is not available with --streaming")
         if self.streaming and self.eval_split_ratio:
@@ -336,7 +342,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                     f'holds only {", ".join(RUN_RECORD_KEYS)}; put options under "config"'
                 )
         raw = raw["config"]
-        if raw.get("global_batch_tokens") is not None:  # its global_batch was derived from it
+        if raw.get("global_batch_tokens") is not None or raw.get("batch_schedule") is not None:  # derived from it
             raw = {k: v for k, v in raw.items() if k != "global_batch"}
     overrides = {}
     for key, value in raw.items():
@@ -374,10 +380,12 @@ def build_config(recipe_path: str | None, cli_overrides: dict[str, Any]) -> Trai
     if recipe_path is not None and not recipe_path.strip():  # "" from an unset shell variable
         raise UserError("--recipe is empty; pass a YAML file (or a run's config.json), or leave the flag out")
     values = load_recipe(recipe_path) if recipe_path else {}
-    values = batch_tokens.layered(values, {k: v for k, v in cli_overrides.items() if v is not None}, recipe_path)
+    values = schedules.layered(values, {k: v for k, v in cli_overrides.items() if v is not None}, recipe_path)
     cfg = TrainConfig(**values).validate()
     if cfg.global_batch_tokens is not None:  # downstream sees an ordinary global batch
         cfg.global_batch = batch_tokens.sequences(cfg.global_batch_tokens, cfg.seq_len, MAX_GLOBAL_BATCH)
+    if cfg.batch_schedule is not None:  # the largest stage's: the micro batch and the memory are planned for it
+        cfg.global_batch = schedules.of_config(cfg).largest
     return cfg
 
 
@@ -385,7 +393,7 @@ def as_recipe(cfg: TrainConfig, head: str) -> str:
     """The configuration as recipe YAML, its keys grouped by --help panel; a null says in a comment
     what it means (`lr: null  # 2e-5 for pretrained weights, ...`), as --help does."""
     values = cfg.to_dict()
-    if cfg.global_batch_tokens is not None:  # global_batch follows from it: a recipe gives one of the two
+    if cfg.global_batch_tokens is not None or cfg.batch_schedule is not None:  # global_batch follows from it
         del values["global_batch"]
     sections = [(panel, {n: values[n] for n, f in FIELDS.items() if f.metadata["panel"] == panel and n in values})
                 for panel in PANELS]  # fmt: skip

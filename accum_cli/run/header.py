@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
@@ -10,12 +11,13 @@ from accum_cli.data import packing
 from accum_cli.data.batches import SampleOrder
 from accum_cli.model import load as modeling
 from accum_cli.parallel import runtime
+from accum_cli.run.planning import stage_plan
 from accum_cli.run.setup import Setup
 from accum_cli.rundir import checkpoint_meta
 
 
 def describe_resume(
-    meta: checkpoint_meta.Meta, plan: Plan, data_changed: bool = False, auto: bool = False
+    meta: checkpoint_meta.Meta, plan: Plan, data_changed: bool = False, auto: bool = False, scheduled: bool = False
 ) -> list[str]:
     how = " (auto: the newest complete one)" if auto else ""
     lines = [f"resumed from     {meta.path} (step {meta.step}, {meta.samples:,} samples consumed){how}"]
@@ -30,6 +32,11 @@ def describe_resume(
         lines.append(
             "data changed     --allow-data-change: the data or its order differs from the checkpoint's, "
             "so the training differs from an uninterrupted run"
+        )
+    elif scheduled:  # the checkpoint's --batch-schedule, continued where it stopped (the stage may have changed)
+        lines.append(
+            f"unchanged        --batch-schedule {meta.batch_schedule} and the data order (seed {meta.seed}): "
+            "the same training as an uninterrupted run"
         )
     elif meta.global_batch == plan.global_batch:
         lines.append(
@@ -112,6 +119,14 @@ def describe_packing(s: Setup, seed: int) -> list[str]:
     ]
 
 
+def _epoch(s: Setup, lines: list[str]) -> list[str]:
+    """With a --batch-schedule an epoch is no fixed number of steps: said in sequences (the stages follow)."""
+    if s.schedule is None:
+        return lines
+    said = f"one epoch = {s.stats.samples:,} sequences (the steps: the batch schedule below)"
+    return [re.sub(r"one epoch = [0-9,]+ optimizer steps( of [0-9]+)?", said, line) for line in lines]
+
+
 def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool) -> list[str]:
     """The header by default: one line per decision a user checks before the first step (model, data,
     training, device, layout, precision, output), and the lines that only some runs need (warnings,
@@ -131,7 +146,7 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
         describe_tokenizer(s.tokenizer),
         *(
-            s.stats.summary(s.plan.global_batch, rows_packed(s))
+            _epoch(s, s.stats.summary(s.plan.global_batch, rows_packed(s)))
             if s.stats is not None
             else [f"data              {s.streaming}"]
         ),
@@ -171,7 +186,15 @@ def _conditions(s: Setup, resume: str | None) -> list[str]:
         )
     if s.resume is not None:
         auto = resume == RESUME_AUTO
-        lines += describe_resume(s.resume, s.plan, data_changed=s.resume.data != s.data_id, auto=auto)
+        plan, meta = s.plan, s.resume
+        if s.schedule is not None:  # the stage the run continues in
+            plan = stage_plan(s.plan, s.schedule.batch_at(meta.step, meta.samples, s.seq_len))
+        now = s.schedule.text if s.schedule is not None else ""
+        scheduled = bool(now) and meta.batch_schedule == now
+        lines += describe_resume(meta, plan, data_changed=meta.data != s.data_id, auto=auto, scheduled=scheduled)
+        if meta.batch_schedule != now:  # --allow-data-change let it through (planning.check_schedule)
+            lines.append(f"schedule changed --allow-data-change: {meta.batch_schedule or 'none'} -> {now or 'none'}; "
+                         "the training differs from an uninterrupted run")  # fmt: skip
     elif resume == RESUME_AUTO:
         lines.append(
             f"resume            auto: no complete checkpoint in {s.output_dir / checkpoint_meta.CHECKPOINTS}, starting fresh"
@@ -193,7 +216,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
         describe_tokenizer(s.tokenizer),
         *(
-            s.stats.describe(s.plan.global_batch, rows_packed(s))
+            _epoch(s, s.stats.describe(s.plan.global_batch, rows_packed(s)))
             if s.stats is not None
             else [f"data              {s.streaming}"]
         ),

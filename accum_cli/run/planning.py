@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from accum_cli.config import batch_schedule as schedules
 from accum_cli.config import policy
 from accum_cli.config.plan import Plan, usable_micro_batch
 from accum_cli.config.settings import TrainConfig
@@ -14,6 +15,7 @@ from accum_cli.memory import fit, layout
 from accum_cli.model import load as modeling
 from accum_cli.parallel import runtime
 from accum_cli.parallel.sharding import ShardSettings
+from accum_cli.run.data_setup import epoch_steps
 from accum_cli.rundir.metrics import print_lines
 
 EMBEDDED_SEQ_LEN = 128
@@ -55,6 +57,7 @@ def check_layout(cfg: TrainConfig, world_size: int) -> None:
     if cfg.strict_batch:
         plan.require_divisible()
     policy.shard_size(plan, cfg.replicas)
+    check_schedule(schedules.of_config(cfg), plan, None, cfg)  # every stage's, before any worker starts
 
 
 def plan_before_fit(cfg: TrainConfig, world_size: int) -> Plan:
@@ -96,7 +99,13 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     plan = Plan(cfg.global_batch, choice.micro_batch, world_size)
     if cfg.strict_batch:
         plan.require_divisible()
-    print_lines(plan.describe(seq_len), "plan")
+    schedule = schedules.of_config(cfg)
+    print_lines(plan.describe(seq_len), "plan" if schedule is None else "plan (the largest stage)")
+    if schedule is not None:
+        most = schedules.max_samples(cfg.max_tokens, seq_len) if cfg.max_tokens is not None else None
+        segments = schedule.segments(seq_len, max_steps=cfg.max_steps, max_samples=most)
+        lines = describe_stages(schedule, segments, plan, seq_len, cfg.batch_schedule_lr, "the data's end (--epochs)")
+        print_lines(lines, "batch schedule")
     replicated = fit.describe_replicated(choice.replicated, budget, choice.micro_batch) if choice.replicated else []
     if choice.sharded is not None:
         table = fit.describe(target, choice.sharded, budget, replicated)
@@ -167,3 +176,100 @@ def decide(
     # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
     plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
     return layout.Decision(chosen, why), plan, micro_reason, policy.Decision(sync, reason)
+
+
+def stage_plan(plan: Plan, global_batch: int) -> Plan:
+    """The plan of a --batch-schedule stage: its global batch, the run's micro batch (at most a rank's share)."""
+    if global_batch == plan.global_batch:
+        return plan
+    return Plan(global_batch, usable_micro_batch(plan.micro_batch, global_batch, plan.world_size), plan.world_size)
+
+
+def check_schedule(schedule: schedules.Schedule | None, plan: Plan, meta, cfg: TrainConfig) -> None:
+    """Every stage's plan is valid (--strict-batch: divisible); a resume keeps the checkpoint's schedule
+    unless --allow-data-change says otherwise."""
+    if schedule is not None:
+        for number, stage in enumerate(schedule.stages, 1):
+            try:
+                staged = stage_plan(plan, stage.global_batch)
+                if cfg.strict_batch:
+                    staged.require_divisible()
+                policy.shard_size(staged, cfg.replicas)
+            except UserError as exc:
+                raise UserError(f"--batch-schedule stage {number} ({stage.global_batch} sequences): {exc}") from None
+    if meta is None:
+        return
+    now = schedule.text if schedule is not None else ""
+    if meta.batch_schedule != now and not cfg.allow_data_change:
+        raise UserError(
+            f"--resume {meta.path} was trained with {_schedule_words(meta.batch_schedule)}, this run gives "
+            f"{_schedule_words(now)}; resume with the same schedule, or pass --allow-data-change to continue "
+            "knowingly (the training then differs from an uninterrupted run)"
+        )
+
+
+def describe_stages(
+    schedule: schedules.Schedule, segments, plan: Plan, seq_len: int, lr_rule: str, open_end: str = ""
+) -> list[str]:
+    """--batch-schedule stage by stage: its steps, tokens and accumulation plan (the header and --plan)."""
+    lines = [f"schedule          {schedule.text} (thresholds in {schedule.unit}; batches in sequences)"]
+    ran = {g.stage for g in segments}
+    for g in segments:
+        staged = stage_plan(plan, g.global_batch)
+        a, m = staged.accum_steps, staged.micro_batch
+        split = f"{a} x {m} per rank" if staged.divisible else (
+            f"{a} x at most {m} per rank, ranks take "
+            + " or ".join(str(n) for n in sorted({staged.rank_samples(r) for r in range(plan.world_size)}, reverse=True))
+        )  # fmt: skip
+        first = g.first_sample * seq_len
+        if g.steps is None:
+            steps, tokens = f"steps {g.first_step + 1:,}-{open_end or '...'}", f"tokens {first:,}-"
+        else:
+            last = (g.first_sample + g.steps * g.global_batch) * seq_len
+            steps = f"steps {g.first_step + 1:,}-{g.first_step + g.steps:,} ({g.steps:,})"
+            tokens = f"tokens {first:,}-{last:,}"
+        lr = schedule.lr_scale(g.global_batch, lr_rule)
+        lines.append(
+            f"stage {g.stage + 1:<11} {steps}, {tokens}: global batch {g.global_batch:,} sequences "
+            f"({g.global_batch * seq_len:,} tokens), {split}" + (f", lr x {lr:.4g}" if lr != 1.0 else "")
+        )
+    end = segments[-1] if segments else None
+    end_at = None
+    if end is not None and end.steps is not None:
+        end_at = schedule.position(end.first_step + end.steps, end.first_sample + end.steps * end.global_batch, seq_len)
+    for i, stage in enumerate(schedule.stages):
+        if i in ran or i < min(ran, default=0):
+            continue
+        why = "not reached: the run ends first" if end_at is not None and stage.threshold >= end_at else (
+            "never runs: a single step passes over its threshold")  # fmt: skip
+        lines.append(f"stage {i + 1:<11} {why}")
+    return lines
+
+
+def _schedule_words(text: str) -> str:
+    return f"--batch-schedule {text}" if text else "no --batch-schedule"
+
+
+def run_length(
+    cfg: TrainConfig, schedule: schedules.Schedule | None, meta, seq_len: int, n_samples: int | None, plan: Plan
+) -> tuple[int, list[schedules.Segment]]:
+    """The run's last step, and the stages it runs from its first step (none without a schedule): --max-steps,
+    else the whole steps that fit --max-tokens, else --epochs passes over the data."""
+    max_samples = None
+    if cfg.max_tokens is not None:
+        max_samples = schedules.max_samples(cfg.max_tokens, seq_len)
+    elif cfg.max_steps is None:
+        max_samples = int(cfg.epochs * n_samples)
+    if schedule is None:
+        return cfg.max_steps or epoch_steps(max_samples, plan.global_batch, meta), []
+    step, samples = (0, 0) if meta is None else (meta.step, meta.samples)
+    segments = schedule.segments(seq_len, step, samples, cfg.max_steps, max_samples)
+    if segments:
+        return segments[-1].first_step + segments[-1].steps, segments
+    if meta is not None:  # nothing left after the checkpoint: the caller says so
+        return meta.step, []
+    length = f"--max-tokens {cfg.max_tokens}" if cfg.max_tokens is not None else f"--epochs {cfg.epochs:g}"
+    raise UserError(
+        f"{length} ({max_samples:,} sequences of {seq_len} tokens) holds no whole step of the schedule's first "
+        f"stage ({schedule.stages[0].global_batch} sequences); train longer or start with a smaller batch"
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from accum_cli.config import batch_schedule as schedules
 from accum_cli.config import policy
 from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
@@ -29,11 +30,18 @@ from accum_cli.run.data_setup import (
     check_stream,
     data_identity,
     data_keys,
-    epoch_steps,
     pad_id_of,
     split_for_eval,
 )
-from accum_cli.run.planning import check_layout, decide, model_size, plan_before_fit, resolve_seq_len
+from accum_cli.run.planning import (
+    check_layout,
+    check_schedule,
+    decide,
+    model_size,
+    plan_before_fit,
+    resolve_seq_len,
+    run_length,
+)
 from accum_cli.rundir import checkpoint_meta, outdir, tracking
 
 PREPARE_TIMEOUT_H = 24
@@ -65,6 +73,8 @@ class Setup:
     streaming: str  # how the stream is read ("" for prepared data)
     replayed_s: float | None  # --streaming resume: seconds spent reading the stream to the checkpoint's sample
     sample_prompts: prompts.Prompts | None  # --sample-prompts as token ids (None without)
+    schedule: schedules.Schedule | None = None  # --batch-schedule (None: every step is plan's)
+    segments: tuple[schedules.Segment, ...] = ()  # its stages as this run runs them, from its first step
 
 
 def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
@@ -167,9 +177,11 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         dataset = packing.DocumentMasked(dataset, tokenizer.eos_token_id)
         if eval_dataset is not None:
             eval_dataset = packing.DocumentMasked(eval_dataset, tokenizer.eos_token_id)
+    schedule = schedules.of_config(cfg)
+    first_batch = cfg.global_batch if schedule is None else schedule.batch_at(*_position(meta), seq_len)
     if cfg.streaming:
         try:
-            replayed = check_stream(dataset, meta, cfg.global_batch, seq_len)
+            replayed = check_stream(dataset, meta, first_batch, seq_len)
         except StreamEnded:
             if resume == RESUME_AUTO and finished(out, meta):  # the same command again, after the end
                 raise AlreadyFinished(
@@ -177,10 +189,10 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
                     f" {out / 'final'}"
                 ) from None
             raise
-    elif len(dataset) < cfg.global_batch:
+    elif len(dataset) < first_batch:
         raise UserError(
             f"the dataset holds {len(dataset)} sequences of up to {seq_len} tokens, fewer than one "
-            f"global batch of {cfg.global_batch}; lower --global-batch or --seq-len, or add data"
+            f"global batch of {first_batch}; lower --global-batch or --seq-len, or add data"
         )
     # Pre-tokenised rows are not cut to --seq-len unless asked: the longest must fit the model, the
     # evaluation's too (it would stop the run at its first evaluation), and sizes the estimate.
@@ -202,7 +214,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         decision = policy.Decision(cfg.sync, "--prepare-only")
     else:
         chosen_layout, plan, micro_reason, decision = decide(cfg, rt, model_config, seq_len, settings, size)
-    total_steps = cfg.max_steps or epoch_steps(int(cfg.epochs * len(dataset)), plan.global_batch, meta)
+    check_schedule(schedule, plan, meta, cfg)
+    total_steps, segments = run_length(cfg, schedule, meta, seq_len, None if cfg.streaming else len(dataset), plan)
     if meta is not None and meta.step >= total_steps:
         done = meta.step == total_steps and finished(out, meta)
         if done and resume == RESUME_AUTO:
@@ -239,8 +252,13 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision,
         micro_reason, size, checkpoint_meta.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
-        lock, stream.describe(streamed) if cfg.streaming else "", replayed, sample_prompts,
+        lock, stream.describe(streamed) if cfg.streaming else "", replayed, sample_prompts, schedule, tuple(segments),
     )  # fmt: skip
+
+
+def _position(meta: checkpoint_meta.Meta | None) -> tuple[int, int]:
+    """(steps done, samples consumed) where this run's first step begins."""
+    return (0, 0) if meta is None else (meta.step, meta.samples)
 
 
 def hold_output_dir(cfg: TrainConfig, out: Path, rt: runtime.Runtime, resuming: bool) -> outdir.RunLock | None:

@@ -20,6 +20,7 @@ from accum_cli.parallel import sharding
 from accum_cli.parallel.sharding import COMPILE_DECIDED_AFTER, ShardSettings
 from accum_cli.run.data_setup import pad_id_of
 from accum_cli.run.header import describe_run, summarize_run, with_default_lr
+from accum_cli.run.planning import describe_stages, stage_plan
 from accum_cli.run.record import artefacts, refresh_report, run_name, run_record_of, save_final_model, write_run_record
 from accum_cli.run.setup import Setup, setup
 from accum_cli.run.signals import StopRequest
@@ -51,11 +52,14 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             if s.rt.is_main:
                 packed = s.stats is None or s.stats.packed
                 if cfg.verbose or prepare_only:  # preparing only: the data's every detail is the report
-                    print_lines(s.plan.describe(s.seq_len, packed), "plan")
+                    print_lines(s.plan.describe(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)")
                     print_lines(describe_run(s, cfg, resume, lr_given), "run")
                 else:
-                    print_lines(s.plan.summary(s.seq_len, packed), "plan")
+                    print_lines(s.plan.summary(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)")
                     print_lines(summarize_run(s, cfg, resume, lr_given), "run")
+                if s.schedule is not None:
+                    lines = describe_stages(s.schedule, s.segments, s.plan, s.seq_len, cfg.batch_schedule_lr)
+                    print_lines(lines, "batch schedule")
             if prepare_only:
                 return {"samples": s.stats.samples}
             return train(s, cfg)
@@ -79,7 +83,8 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     """Build, restore, run the steps, save: the part of a run that changes the world."""
     rt, plan = s.rt, s.plan
     model = build(s, cfg)
-    optimizer, scheduler = optim.build(model, cfg, s.total_steps)
+    plan_at, scale = step_plans(s), lr_scale(s, cfg)
+    optimizer, scheduler = optim.build(model, cfg, s.total_steps, scale)
     read_step, eval_reader = readers(s, cfg)
     # What training draws (a model's dropout) comes from the run's seed, one stream per rank, so
     # a rerun gives the same losses; a resume then restores the checkpoint's state instead.
@@ -87,12 +92,13 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
     start_step, first_sample, origin = 0, 0, (0, 0)
     if s.resume is not None:
         start_step, first_sample, origin = restore(s, model, optimizer)
-        scheduler = optim.schedule(optimizer, cfg, s.total_steps, done_steps=start_step)
+        scheduler = optim.schedule(optimizer, cfg, s.total_steps, done_steps=start_step, scale=scale)
     trackers = start_record(s, cfg, start_step)
     record = {
-        "origin_step": origin[0], "origin_samples": origin[1], "global_batch": plan.global_batch,
+        "origin_step": origin[0], "origin_samples": origin[1], "global_batch": plan_at(start_step, first_sample).global_batch,
         "micro_batch": plan.micro_batch, "world_size": plan.world_size, "seed": cfg.seed,
         "fingerprint": s.fingerprint, "data": s.data_id,
+        **({"batch_schedule": s.schedule.text} if s.schedule is not None else {}),
     }  # fmt: skip
 
     def save_checkpoint(step: int, samples: int, draw: bool = True) -> Path:
@@ -135,11 +141,18 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
         samples = first_sample
         for step in range(start_step, s.total_steps):
             started = time.perf_counter()
-            microbatches = read_step(step, samples)
-            next_first = samples + plan.global_batch
+            now = plan_at(step, samples)  # a --batch-schedule stage's plan; else the run's
+            if now.global_batch != record["global_batch"]:  # a new stage: the checkpoint's origin moves to it
+                record.update(origin_step=step, origin_samples=samples, global_batch=now.global_batch)
+                if rt.is_main:
+                    print(f"stage: from step {step + 1} ({samples * s.seq_len:,} tokens trained) the global batch is "
+                          f"{now.global_batch} sequences: {now.summary(s.seq_len)[1].split(maxsplit=1)[1]}", flush=True)
+            microbatches = read_step(step, samples, now)
+            next_first = samples + now.global_batch
             # A stream's end is seen one step ahead (alike on every rank), so that step is the last for
             # evaluation, checkpoints and stop requests too.
-            if cfg.streaming and step + 1 < end and not s.dataset.has_step(next_first, plan.global_batch):
+            upcoming = plan_at(step + 1, next_first).global_batch
+            if cfg.streaming and step + 1 < end and not s.dataset.has_step(next_first, upcoming):
                 end = step + 1
                 if rt.is_main:
                     print(f"the stream ends after step {end} ({next_first:,} samples): the last step", flush=True)
@@ -147,10 +160,10 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
                 model, optimizer, scheduler, microbatches, s.decision.policy, cfg.grad_clip, rt.device, step + 1,
                 cfg.on_nonfinite, cfg.moe_aux_loss,
             )  # fmt: skip
-            samples += plan.global_batch
+            samples += now.global_batch
             done = step + 1
             seconds = time.perf_counter() - started
-            trackers.log(reporter.step(step, result, seconds, evaluate(done)))
+            trackers.log(reporter.step(step, result, seconds, {"global_batch": now.global_batch, **evaluate(done)}))
             sample(done, samples, trackers)
             if s.settings.compile_auto and done - start_step == COMPILE_DECIDED_AFTER and done < end:
                 decide_compile(model, s.settings, end - done, seconds, rt)
@@ -199,19 +212,46 @@ def build(s: Setup, cfg: TrainConfig):
     return model
 
 
+def step_plans(s: Setup):
+    """`plan_at(step, samples)`: the plan of the step that begins there (a --batch-schedule stage's)."""
+    if s.schedule is None:
+        return lambda step, samples: s.plan
+    plans = {}
+
+    def plan_at(step: int, samples: int):
+        g = s.schedule.batch_at(step, samples, s.seq_len)
+        return plans.get(g) or plans.setdefault(g, stage_plan(s.plan, g))
+
+    return plan_at
+
+
+def lr_scale(s: Setup, cfg: TrainConfig):
+    """--batch-schedule-lr sqrt: step k's lr times the square root of its stage's increase (None: unchanged)."""
+    if s.schedule is None or not s.segments:
+        return None
+    segments = s.segments
+
+    def scale(step: int) -> float:
+        here = next((g for g in reversed(segments) if g.first_step <= step), segments[0])
+        return s.schedule.lr_scale(here.global_batch, cfg.batch_schedule_lr)
+
+    return scale
+
+
 def readers(s: Setup, cfg: TrainConfig):
-    """`read_step(step, first_sample)`: this rank's microbatches of a step; and the evaluation's reader."""
-    plan, rank = s.plan, s.rt.rank
+    """`read_step(step, first_sample, plan)`: this rank's microbatches of a step (under the run's plan,
+    or a --batch-schedule stage's); and the evaluation's reader."""
+    rank = s.rt.rank
     pad_id = pad_id_of(s.tokenizer, s.model_config)
     if cfg.streaming:
         streamed = s.dataset
 
-        def read_step(step: int, first: int) -> list[data.Microbatch]:
+        def read_step(step: int, first: int, plan=s.plan) -> list[data.Microbatch]:
             return streamed.microbatches(plan, step, rank, first)
     else:
         reader = data.MicrobatchReader(s.dataset, data.SampleOrder(len(s.dataset), cfg.seed), pad_id)
 
-        def read_step(step: int, first: int) -> list[data.Microbatch]:
+        def read_step(step: int, first: int, plan=s.plan) -> list[data.Microbatch]:
             return [reader.read(plan.microbatch_range(step, rank, j, first)) for j in range(plan.accum_steps)]
 
     eval_reader = data.MicrobatchReader(s.eval_dataset, None, pad_id) if s.eval_dataset is not None else None
@@ -222,7 +262,7 @@ def restore(s: Setup, model, optimizer) -> tuple[int, int, tuple[int, int]]:
     """Collective: the checkpoint's state loaded; (steps done, samples consumed, where the global batch began)."""
     seconds = checkpoint.load(s.resume, model, optimizer)
     start_step, first_sample = s.resume.step, s.resume.samples
-    same_batch = s.resume.global_batch == s.plan.global_batch
+    same_batch = s.resume.global_batch == step_plans(s)(start_step, first_sample).global_batch
     origin = (s.resume.origin_step, s.resume.origin_samples) if same_batch else (start_step, first_sample)
     if s.rt.is_main:
         print(f"checkpoint loaded in {seconds:.2f} s", flush=True)

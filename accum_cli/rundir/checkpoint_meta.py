@@ -36,6 +36,7 @@ class Meta:
     fingerprint: str  # the model's parameter names and shapes
     data: str  # the prepared data's identity
     files: dict  # file name -> {"bytes", "sha256"}, every file but meta.json
+    batch_schedule: str = ""  # --batch-schedule as config/batch_schedule.py writes it ("": none)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -141,6 +142,8 @@ def _validated(raw: object) -> dict:
         if not ok:
             raise ValueError(f"files entry {str(name)[:60]!r} is malformed")
     fields["files"] = files
+    if "batch_schedule" in raw:  # absent from a run without one (and from checkpoints written before it)
+        fields["batch_schedule"] = text("batch_schedule", re.compile(r"^[0-9s:,]+$"), 4096)
     return fields
 
 

@@ -183,6 +183,8 @@ def figure(runs: list[Path]):
                     ax.plot(*zip(*evals, strict=True), "o--", label=f"{folder.name} eval", markersize=4, color=colour)
             for start in starts:  # at the checkpoint it resumed from: right of the line is the new process
                 ax.axvline(xs[start - 1], linestyle="--", linewidth=1, alpha=0.6, color=colour)
+            for start in stages(records):  # --batch-schedule: the last step of the stage before
+                ax.axvline(xs[start - 1], linestyle=":", linewidth=1.2, alpha=0.8, color=colour)
         ax.set_title(label)
         ax.set_xlabel(TOKENS if tokens else STEPS)
         if tokens:
@@ -207,10 +209,24 @@ def figure(runs: list[Path]):
     return fig
 
 
+def stages(records: list[dict]) -> list[int]:
+    """The indexes of the records whose step's global batch differs from the step before (a --batch-schedule
+    stage begins; metrics.jsonl records each step's global_batch)."""
+    return [
+        index
+        for index, (before, record) in enumerate(itertools.pairwise(records), 1)
+        if numeric(before.get("global_batch")) and numeric(record.get("global_batch"))
+        and before["global_batch"] != record["global_batch"]
+    ]  # fmt: skip
+
+
 def summary(folder: Path, records: list[dict], plan: str) -> str:
-    """A run in one line: its name, steps, plan and resumes."""
+    """A run in one line: its name, steps, plan, stages and resumes."""
     resumed = [records[start - 1]["step"] for start in resumes(records)]
     after = f"  resumed after step {', '.join(map(str, resumed))}" if resumed else ""
+    staged = [f"{records[i]['global_batch']} from step {records[i]['step']}" for i in stages(records)]
+    if staged:
+        after = f"  global batch {records[0]['global_batch']}, " + ", ".join(staged) + " (dotted)" + after
     return f"{folder.name}: {len(records)} steps  {plan}{after}"
 
 

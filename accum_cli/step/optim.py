@@ -21,7 +21,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, min
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build(model: nn.Module, cfg: TrainConfig, total_steps: int):
+def build(model: nn.Module, cfg: TrainConfig, total_steps: int, scale=None):
     """AdamW with weight decay on matrices only (tied parameters appear once), and its schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -38,17 +38,19 @@ def build(model: nn.Module, cfg: TrainConfig, total_steps: int):
         eps=cfg.adam_eps,
         fused=True,
     )
-    return optimizer, schedule(optimizer, cfg, total_steps)
+    return optimizer, schedule(optimizer, cfg, total_steps, scale=scale)
 
 
-def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, done_steps: int = 0):
-    """The LR schedule positioned after `done_steps` optimizer steps.
+def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, done_steps: int = 0, scale=None):
+    """The LR schedule positioned after `done_steps` optimizer steps; `scale(step)` (from 0), where given,
+    multiplies it (--batch-schedule-lr sqrt).
 
     A checkpoint stores no scheduler state: the schedule is a function of the step, so a
     resumed run rebuilds it here from the step and the restored optimizer's `initial_lr`."""
     warmup = cfg.warmup_for(total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule, cfg.min_lr_ratio),
+        lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule, cfg.min_lr_ratio)
+        * (1.0 if scale is None else scale(step)),
         last_epoch=done_steps - 1,
     )
