@@ -38,9 +38,11 @@ format: setup
 	$(BIN)/ruff format accum_cli tests bench
 	$(BIN)/ruff check --fix accum_cli tests bench
 
-# accum-train (defaults and --compile) vs the HF Trainer and Accelerate's accumulate() loop, side by side (~6 min).
+# accum-train (defaults and --compile) vs the HF Trainer and Accelerate's accumulate() loop, side by side (~6 min),
+# then packed against padded rows (bench-packing, ~8 min).
 bench: setup
 	$(BIN)/python bench/speed.py
+	$(BIN)/python bench/packing.py
 
 # accum-train's step against a minimal hand-written FSDP2 loop, in the same processes.
 bench-overhead: setup
