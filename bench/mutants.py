@@ -1018,6 +1018,13 @@ MUTANTS = [
     Mutant("plan: a zero-weight pass announced where no microbatch is empty", "accum_cli/config/plan.py",
            "if self.has_empty_microbatch else", "if True else",
            ("tests/test_first_hour.py", "-k", "zero_weight")),
+    # --- LoRA (model/lora.py, tests/test_lora.py) ----------------------------------------------
+    Mutant("lora: the base trains beside the adapters", "accum_cli/model/lora.py",
+           "        param.requires_grad_(is_adapter(name))", "        param.requires_grad_(True)",
+           ("tests/test_lora.py", "-k", "llama-2-3-last-shard")),
+    Mutant("lora: every rank draws its own adapters", "accum_cli/model/lora.py",
+           "        torch.manual_seed(cfg.seed)\n", "        pass\n",
+           ("tests/test_lora.py", "-k", "llama-2-3-last-shard")),
 ]  # fmt: skip
 
 

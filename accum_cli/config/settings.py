@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accum_cli.config import batch_tokens, policy, recipe
-from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
+from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, LORA, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
 from accum_cli.errors import UserError
 
 LR_SCHEDULES = ("cosine", "constant")
@@ -155,6 +155,15 @@ class TrainConfig:
     )  # fmt: skip
     on_nonfinite: str = option("abort", "A NaN/inf loss or grad norm: abort (exit 3) or skip the step.",
                                OPTIMISATION, choices=NONFINITE_ACTIONS)  # fmt: skip
+    # LoRA (model/lora.py, docs/LORA.md)
+    lora_r: int | None = option(None, "Train LoRA adapters of this rank on the frozen model, through peft (pip install "
+                                "'accum-train[lora]').", LORA, none_means="no: every parameter trains", ge=1)  # fmt: skip
+    lora_alpha: float | None = option(None, "LoRA scaling: the update is alpha / r x B A.", LORA,
+                                      none_means="2 x --lora-r", gt=0)  # fmt: skip
+    lora_dropout: float = option(0.0, "Dropout on the input of the LoRA branch.", LORA, ge=0, lt=1)
+    lora_target_modules: str = option("all-linear", "Modules to adapt: all-linear (every linear layer of the decoder "
+                                      "blocks, not the output layer) or names, comma-separated (q_proj,v_proj).",
+                                      LORA)  # fmt: skip
     # Checkpoints
     checkpoint_every: int | None = option(
         None, "Write a sharded checkpoint every N optimizer steps.", CHECKPOINTS,
@@ -215,17 +224,8 @@ class TrainConfig:
             self.micro_batch = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else self.micro_batch
         problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
         # "" from an unset shell variable: never taken for the default (no tracker, a run named after its folder)
-        for name in (
-            "model",
-            "dataset",
-            "eval_dataset",
-            "text_column",
-            "dataset_config",
-            "split",
-            "run_name",
-            "report_to",
-            "sample_prompts",
-        ):
+        for name in ("model", "dataset", "eval_dataset", "text_column", "dataset_config", "split", "run_name",
+                     "report_to", "sample_prompts", "lora_target_modules"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")
@@ -243,6 +243,8 @@ class TrainConfig:
             problems.append("--eval-split-ratio cannot hold out part of a stream; pass --eval-dataset with --streaming")
         if self.sample_every is not None and self.sample_prompts is None:
             problems.append("--sample-every needs --sample-prompts FILE: the prompts to complete")
+        if self.lora_r is None and self.lora_alpha is not None:
+            problems.append("--lora-alpha needs --lora-r R: the rank of the adapters to train")
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:

@@ -58,7 +58,8 @@ def tracked_step(
 
     if not optimizer.state:
         for p in model.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # LoRA's frozen base has none
+                p.grad = torch.zeros_like(p)
         # In FakeTensorMode, DTensor's sharding propagation builds fake tensors of each operand's
         # *global* shape under the active fake mode, and the tracker counts them: clipping's norm
         # over all gradients would add the whole model in fp32 to the first step's peak (4.6 GiB
@@ -167,7 +168,7 @@ def _fake_model(query: Query, fake_mode):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from accum_cli.config.settings import TrainConfig
-    from accum_cli.model import wrap
+    from accum_cli.model import lora, wrap
     from accum_cli.parallel.runtime import Runtime
     from accum_cli.parallel.sharding import ShardSettings
     from accum_cli.step import optim
@@ -177,7 +178,10 @@ def _fake_model(query: Query, fake_mode):
     config.use_cache = False
     if query.replicated:  # a plain model: no process group, fake or real, is needed or touched
         with fake_mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            model = lora.apply(
+                AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
+                lora.settings_of(query.lora),
+            )
             model.train()
             settings = ShardSettings(bf16=query.bf16, activation_checkpointing=query.activation_checkpointing)
             wrap.prepare_replicated(model, settings, torch.device("cpu"))  # as the run's build_replicated
@@ -194,7 +198,10 @@ def _fake_model(query: Query, fake_mode):
     rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
     mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
     with fake_mode:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = lora.apply(
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
+            lora.settings_of(query.lora),
+        )
         model.train()
         wrap.shard(model, mesh, settings)
         optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)  # the rate does not change memory

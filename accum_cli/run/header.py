@@ -122,6 +122,7 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
     lines = [
         f"model             {s.source.name}: {s.size.n_params:,} parameters{initialised}, {attention} attention",
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
+        *([f"lora              {s.lora}"] if s.lora else []),
         describe_tokenizer(s.tokenizer),
         *(s.stats.summary(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
         *describe_packing(s, cfg.seed),
@@ -180,6 +181,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
+        *([f"lora              {s.lora}"] if s.lora else []),
         describe_tokenizer(s.tokenizer),
         *(s.stats.describe(s.plan.global_batch) if s.stats is not None else [f"data              {s.streaming}"]),
         *describe_packing(s, cfg.seed),

@@ -12,6 +12,7 @@ from accum_cli.config.settings import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.memory import fit, layout
 from accum_cli.model import load as modeling
+from accum_cli.model import lora
 from accum_cli.parallel import runtime
 from accum_cli.parallel.sharding import ShardSettings
 from accum_cli.rundir.metrics import print_lines
@@ -45,7 +46,7 @@ def fit_target(
     return fit.Target(
         json.loads(model_config.to_json_string()), cfg.global_batch, world_size, cfg.replicas, seq_len,
         settings.bf16, settings.activation_checkpointing, settings.reshard_after_forward, cfg.strict_batch,
-        device_type=device_type,
+        device_type=device_type, lora=lora.spec(cfg),
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from accum_cli.errors import UserError
+from accum_cli.model import lora
 from accum_cli.rundir import outdir, safe_dcp
 from accum_cli.rundir.checkpoint import chmod_as_umask, dcp_load
 from accum_cli.rundir.checkpoint_meta import read_meta
@@ -67,7 +68,9 @@ def follow_umask(tree: Path) -> None:
 def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype: torch.dtype) -> None:
     """Gather the full weights (a collective) and let rank 0 write HF format atomically, in
     `dtype` (the fp32 master weights cast once, at the end)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    adapters = lora.adapted(model)  # final/ is then a peft adapter folder: the adapters alone are gathered
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters)
+    state = get_model_state_dict(model, options=options)
     if not is_main:
         return
     # Gathered shards are separate tensors even where the model ties them, so save_pretrained
@@ -82,8 +85,12 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
     try:
         outdir.mark(tmp, "final model")
         with outdir.safetensors_writes():
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        stamp_dtype(tmp, dtype)
+            if adapters:  # fp32 whatever the export dtype: they are small, and peft computes them in fp32
+                lora.save_adapter(model, state, tmp)
+            else:
+                model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if not adapters:
+            stamp_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
