@@ -1023,8 +1023,16 @@ MUTANTS = [
            "        param.requires_grad_(is_adapter(name))", "        param.requires_grad_(True)",
            ("tests/test_lora.py", "-k", "llama-2-3-last-shard")),
     Mutant("lora: every rank draws its own adapters", "accum_cli/model/lora.py",
-           "        torch.manual_seed(cfg.seed)\n", "        pass\n",
+           "        torch.manual_seed(seed)\n", "        pass\n",
            ("tests/test_lora.py", "-k", "llama-2-3-last-shard")),
+    Mutant("lora: a checkpoint's adapters resume on any base of the same shapes", "accum_cli/model/lora.py",
+           "f\"{names_and_shapes}:{base['weights']}\"", 'f"{names_and_shapes}"',
+           ("tests/test_lora.py", "-k", "resume")),
+    Mutant("lora: --merge writes the base without the adapters", "accum_cli/model/lora.py",
+           "            module.merge()\n", "            pass\n", ("tests/test_lora.py", "-k", "export")),
+    Mutant("lora: a missing peft crashes with a traceback", "accum_cli/model/lora.py",
+           "    except ImportError:\n        raise UserError(", "    except ImportError:\n        raise RuntimeError(",
+           ("tests/test_lora.py", "-k", "bad_input")),
 ]  # fmt: skip
 
 

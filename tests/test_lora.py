@@ -154,3 +154,99 @@ def test_lora_step_equals_peft_one_big_batch(workdir, references, tmp_path, name
     result = ok(run_cli(args, nproc=world))
     assert "lora              r=4 alpha=8" in result.stdout
     assert_same_training(out, references[name], workdir / name)
+
+
+def lora_args(workdir: Path, out: Path, micro: int, steps: int, *extra: str, model: str = "llama") -> list[str]:
+    return ["--model", str(workdir / model), "--dataset", str(workdir / "data.jsonl"), "--output-dir", str(out),
+            "--micro-batch", str(micro), "--max-steps", str(steps), *COMMON, *extra]  # fmt: skip
+
+
+def export(*argv: str):
+    from typer.testing import CliRunner
+
+    from accum_cli.cli.main import export_app
+
+    return CliRunner().invoke(export_app, [str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir, tmp_path_factory) -> Path:
+    """3 steps at W=2, sharded, `last`."""
+    out = tmp_path_factory.mktemp("lora-runs") / "whole"
+    ok(run_cli(lora_args(workdir, out, 3, 3, "--sync", "last", "--layout", "shard"), nproc=2))
+    return out
+
+
+@pytest.mark.distributed
+def test_lora_resume_is_exact_and_elastic_and_refuses_another_base(workdir, uninterrupted, tmp_path):
+    """2 steps at W=1 (replicated), then the third resumed at W=2 (sharded): the losses, gradient norms and
+    adapters of the uninterrupted run; the checkpoint holds the adapters and their AdamW state, not the base."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    out = tmp_path / "resumed"
+    ok(run_cli(lora_args(workdir, out, 5, 2, "--layout", "replicate")))
+    saved = dcp.FileSystemReader(str(out / "checkpoints" / "step-000002")).read_metadata().state_dict_metadata
+    tensors = [k for k in saved if k.startswith(("model.", "optim.state."))]
+    assert tensors and all(".lora_" in k for k in tensors), [k for k in tensors if ".lora_" not in k][:3]
+    resume = ("--resume", str(out / "checkpoints" / "step-000002"), "--sync", "last", "--layout", "shard")
+    refused = run_cli(lora_args(workdir, tmp_path / "other", 3, 3, *resume, model="other-llama"), nproc=1)
+    assert refused.returncode == 2 and "LoRA on other base weights" in refused.stdout + refused.stderr
+    ok(run_cli(lora_args(workdir, out, 3, 3, *resume), nproc=2))
+    got, want = read_metrics(out), {m["step"]: m for m in read_metrics(uninterrupted)}
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for m in got:
+        for key in ("loss", "grad_norm"):
+            assert rel_err(m[key], want[m["step"]][key]) < TOL, (m["step"], key)
+    resumed, whole = (load_file(o / "final" / "adapter_model.safetensors") for o in (out, uninterrupted))
+    worst = max(rel_err(resumed[k], whole[k]) for k in whole)
+    print(f"resume: max rel err of the adapters {worst:.1e}")
+    assert worst < TOL
+
+
+def test_lora_export_writes_adapters_and_the_merged_model(workdir, uninterrupted, tmp_path):
+    """accum-export: the adapters (loaded by peft on the base: final/'s logits), and --merge: a model
+    AutoModelForCausalLM loads with the adapted model's logits; another base, or none, refused in one line."""
+    checkpoint = uninterrupted / "checkpoints" / "step-000003"
+    trained = probe_logits(peft.PeftModel.from_pretrained(base_model(workdir / "llama"), uninterrupted / "final"))
+    assert export(checkpoint, tmp_path / "adapters", "--base", workdir / "llama").exit_code == 0
+    adapters = peft.PeftModel.from_pretrained(base_model(workdir / "llama"), tmp_path / "adapters")
+    assert rel_err(probe_logits(adapters), trained) < TOL
+    assert rel_err(trained, probe_logits(base_model(workdir / "llama"))) > 1e-4  # the adapters change the model
+    assert export(checkpoint, tmp_path / "merged", "--base", workdir / "llama", "--merge").exit_code == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    print(f"merged: rel err of the logits {rel_err(probe_logits(merged), trained):.1e}")
+    assert rel_err(probe_logits(merged), trained) < TOL
+    assert not any(".lora_" in name or "base_layer" in name for name in merged.state_dict())
+    for argv, words in [
+        (("--base", workdir / "other-llama", "--merge"), "trained on another base model"),
+        (("--merge",), "pass --base MODEL"),
+    ]:
+        result = export(checkpoint, tmp_path / "refused", *argv)
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--lora-alpha", "8"], "--lora-alpha needs --lora-r"),
+        (["--lora-r", "4", "--compile"], "--compile with --lora-r is not supported"),
+        (["--lora-r", "4", "--lora-target-modules", "nowhere_proj"], "--lora-target-modules"),
+        (["--lora-r", "0"], "--lora-r must be >= 1"),
+        (["--lora-r", "4", "--peft-missing"], "pip install 'accum-train[lora]'"),
+    ],
+)
+def test_lora_bad_input_is_refused_in_one_line(workdir, tmp_path, monkeypatch, flags, words):
+    from typer.testing import CliRunner
+
+    from accum_cli.cli.main import app
+
+    if "--peft-missing" in flags:
+        flags = [f for f in flags if f != "--peft-missing"]
+        monkeypatch.setitem(__import__("sys").modules, "peft", None)  # `import peft` raises ImportError
+    argv = ["--model", str(workdir / "llama"), "--dataset", str(workdir / "data.jsonl"), "--output-dir",
+            str(tmp_path / "run"), "--max-steps", "1", *flags]  # fmt: skip
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -75,17 +75,37 @@ def apply(model: nn.Module, cfg) -> nn.Module:
     left as it was. Every other parameter frozen."""
     if cfg.lora_r is None:
         return model
+    return inject(model, peft_config(cfg), cfg.seed)
+
+
+def inject(model: nn.Module, config, seed: int) -> nn.Module:
+    """peft's LoraConfig `config` injected into `model` (see apply)."""
     peft = require_peft()
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
         try:
-            model = peft.inject_adapter_in_model(peft_config(cfg), model)
+            model = peft.inject_adapter_in_model(config, model)
         except ValueError as exc:  # target modules that the model does not have
             raise UserError(f"--lora-target-modules: {str(exc).splitlines()[0][:200]}") from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
         if is_adapter(name) and param.dtype != torch.float32 and not param.is_meta:
             param.data = param.data.float()
+    return model
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The model with every adapter merged into the weight it adapts (peft's own merge), its modules
+    back to the plain ones: what AutoModelForCausalLM builds and loads."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
     return model
 
 
@@ -142,14 +162,20 @@ def adapter_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict
     return {PEFT_PREFIX + name: tensor.detach().float().contiguous() for name, tensor in state.items()}
 
 
+def save_config(model: nn.Module, folder: Path) -> None:
+    """adapter_config.json (peft's) in `folder` where the model carries adapters; nothing otherwise."""
+    if hasattr(model, "peft_config") and adapted(model):
+        config = copy.deepcopy(model.peft_config[ADAPTER])
+        config.base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
+        config.save_pretrained(str(folder))
+
+
 def save_adapter(model: nn.Module, full_state: dict[str, torch.Tensor], folder: Path) -> None:
     """A peft adapter folder (adapter_config.json, adapter_model.safetensors) in `folder`, loadable
     with PeftModel.from_pretrained(base_model, folder); the adapters in fp32."""
     from safetensors.torch import save_file
 
-    config = copy.deepcopy(model.peft_config[ADAPTER])
-    config.base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None)
-    config.save_pretrained(str(folder))
+    save_config(model, folder)
     save_file(adapter_state(model, full_state), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 

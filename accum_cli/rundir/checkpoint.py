@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from accum_cli.errors import UserError, first_line
+from accum_cli.model import lora
 from accum_cli.model.lora import state_options
 from accum_cli.parallel.runtime import all_ok
 from accum_cli.rundir import outdir, safe_dcp
@@ -156,6 +157,7 @@ def save(
         (tmp / f".digests-rank{rank}.json").write_text(json.dumps(safe_dcp.record_files(tmp, mine)))
 
     def seal() -> None:
+        lora.save_config(model, tmp)  # LoRA: the adapters' settings, listed and checksummed as every file
         _seal(tmp, final, step, samples, record, model_config, tokenizer, world)
         prune(root, keep)
 
