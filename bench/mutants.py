@@ -1033,6 +1033,14 @@ MUTANTS = [
     Mutant("lora: a missing peft crashes with a traceback", "accum_cli/model/lora.py",
            "    except ImportError:\n        raise UserError(", "    except ImportError:\n        raise RuntimeError(",
            ("tests/test_lora.py", "-k", "bad_input")),
+    Mutant("lora: the sharded estimate builds the model without its adapters", "accum_cli/memory/measure.py",
+           "\n            lora.settings_of(query.lora),\n", "\n            lora.settings_of(None),\n",
+           ("tests/test_lora.py", "-k", "plan")),
+    Mutant("lora: adapters kept in bf16 (no fp32 master weights)", "accum_cli/model/lora.py",
+           "        if is_adapter(name) and param.dtype != torch.float32 and not param.is_meta:\n"
+           "            param.data = param.data.float()",
+           "        if is_adapter(name) and not param.is_meta:\n            param.data = param.data.bfloat16()",
+           ("tests/test_lora.py", "-k", "bf16")),
 ]  # fmt: skip
 
 

@@ -250,3 +250,48 @@ def test_lora_bad_input_is_refused_in_one_line(workdir, tmp_path, monkeypatch, f
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2 and words in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_plan_counts_the_frozen_base_without_gradients_or_optimizer_state(tmp_path, monkeypatch):
+    """--plan --lora-r: the adapters' share, and the estimated peak per rank (the adapted model built in the
+    estimate: gradients and AdamW state for the adapters only) well under full fine-tuning's."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from accum_cli.cli.main import app
+
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
+    argv = ["--plan", "--lora-r", "8", "--world-size", "2", "--global-batch", "16", "--micro-batch", "2",
+            "--layout", "shard", "--sync", "last", "--precision", "fp32", "--device-memory-gib", "64"]  # fmt: skip
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"lora +r=8 alpha=16 dropout=0 on \d+ modules \(all-linear\): [\d,]+ of [\d,]+ parameters train",
+                     result.output), result.output  # fmt: skip
+    found = re.search(r"lora peak +([\d.]+) (\w+) per rank vs ([\d.]+) (\w+) for full fine-tuning", result.output)
+    assert found, result.output
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    lora_peak, full_peak = float(found[1]) * scale[found[2]], float(found[3]) * scale[found[4]]
+    print(f"plan: LoRA {lora_peak / 2**20:.1f} MiB vs full {full_peak / 2**20:.1f} MiB per rank")
+    # the embedded model at W=2: full fine-tuning holds 16 bytes per parameter, half on each rank, LoRA ~4
+    assert lora_peak < 0.8 * full_peak
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["shard", "replicate"])
+def test_lora_in_bf16_follows_the_fp32_reference(workdir, references, tmp_path, layout):
+    """The path users run on GPUs: bf16 compute of the base and of the fp32 adapters (FSDP2's mixed precision
+    sharded, autocast replicated), at W=2; within test_equivalence_bf16's tolerances of the fp32 reference."""
+    out = tmp_path / "run"
+    args = lora_args(workdir, out, 3, STEPS, "--sync", "last", "--layout", layout, "--precision", "bf16")
+    ok(run_cli(args, nproc=2))
+    ref = references["llama"]
+    for m in read_metrics(out):
+        errors = {key: rel_err(m[key], ref[key][m["step"] - 1]) for key in ("loss", "grad_norm")}
+        print(f"bf16 {layout} step {m['step']}: loss {errors['loss']:.1e}, grad norm {errors['grad_norm']:.1e}")
+        assert errors["loss"] < 1e-3 and errors["grad_norm"] < 1e-2, errors
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(out / "checkpoints" / f"step-{STEPS:06d}")).read_metadata().state_dict_metadata
+    adapters = {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.") and ".lora_" in k}
+    assert adapters and set(adapters.values()) == {torch.float32}, "the adapters' master weights are fp32"

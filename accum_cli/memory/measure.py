@@ -176,8 +176,9 @@ def _fake_model(query: Query, fake_mode):
     config_dict = dict(query.model_config)
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config.use_cache = False
+    adapters = lora.adapters_where_built() if query.lora else contextlib.nullcontext()
     if query.replicated:  # a plain model: no process group, fake or real, is needed or touched
-        with fake_mode:
+        with fake_mode, adapters:
             model = lora.apply(
                 AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
                 lora.settings_of(query.lora),
@@ -197,7 +198,7 @@ def _fake_model(query: Query, fake_mode):
     )
     rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
     mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
-    with fake_mode:
+    with fake_mode, adapters:
         model = lora.apply(
             AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
             lora.settings_of(query.lora),

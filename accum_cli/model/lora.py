@@ -5,11 +5,13 @@ parameter); only they have gradients and optimizer state. final/ is a peft adapt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from torch import nn
@@ -53,6 +55,16 @@ def spec(cfg) -> dict | None:
 def settings_of(spec: dict | None) -> SimpleNamespace:
     """What `apply` reads, from a `spec` (the estimate's child has no TrainConfig of the run)."""
     return SimpleNamespace(**(spec or {"lora_r": None}), seed=0)
+
+
+@contextlib.contextmanager
+def adapters_where_built():
+    """Around `apply` in FakeTensorMode (the memory estimate's child, where every tensor is a fake fp32
+    CPU tensor): peft moves each new adapter to its base layer's device and dtype with `Module.to()`,
+    which cannot swap a fake parameter (torch swaps fake parameters, and peft still holds a reference).
+    The adapters are built where the move would put them, so the move is skipped."""
+    with mock.patch.object(nn.Module, "to", lambda self, *args, **kwargs: self):
+        yield
 
 
 def alpha(cfg) -> float:

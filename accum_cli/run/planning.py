@@ -3,6 +3,7 @@ decided from the memory estimate (rank 0 decides, every rank follows); `--plan` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -106,12 +107,32 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     print_lines(
         [
             *table,
+            *lora_lines(cfg, model_config, target, choice),
             f"micro batch       {choice.micro_batch} ({micro_reason_of(cfg, world_size, choice.micro_reason)})",
             f"chosen: {choice.policy.policy} — {choice.policy.reason}",
             f"layout: {choice.layout.layout} — {choice.layout.reason}",
         ],
         f"memory per rank and sync policy ({cfg.sync})",
     )
+
+
+def lora_lines(cfg: TrainConfig, model_config, target: fit.Target, choice: layout.Choice) -> list[str]:
+    """--plan with --lora-r: the adapters' share of the parameters, and the chosen layout's estimated peak
+    per rank next to full fine-tuning's at the same micro batch and policy."""
+    if cfg.lora_r is None:
+        return []
+    from accum_cli.memory import estimate
+
+    replicated = choice.layout.layout == layout.REPLICATE
+    sync = policy.LAST if replicated else choice.policy.policy
+    both = [dataclasses.replace(target, replicated=replicated, lora=spec) for spec in (target.lora, None)]
+    try:
+        lora_peak, full_peak = (e.peak for e in estimate.estimate([t.query(sync, choice.micro_batch) for t in both]))
+        versus = f"{fit.gib(lora_peak)} per rank vs {fit.gib(full_peak)} for full fine-tuning ({choice.layout.layout})"
+    except estimate.EstimateFailed as exc:
+        versus = f"not estimated ({exc})"
+    shapes = lora.parameter_shapes(model_config, cfg, cfg.trust_remote_code)
+    return [f"lora              {lora.describe(shapes, cfg)}", f"lora peak         {versus}"]
 
 
 def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budget:
