@@ -51,6 +51,12 @@ def workdir(tmp_path_factory) -> Path:
     transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(**QWEN2_MOE)).save_pretrained(
         root / "qwen2-moe"
     )
+    mixtral = {k: v for k, v in QWEN2_MOE.items() if k not in ("num_experts", "moe_intermediate_size",
+               "shared_expert_intermediate_size")} | {"num_local_experts": 4}  # fmt: skip
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**mixtral)).save_pretrained(
+        root / "mixtral"
+    )
     save_tiny_model(root / "other-llama", seed=2)  # the same architecture, other weights
     write_ragged_tokens(root / "data.jsonl")
     return root
@@ -100,7 +106,7 @@ def reference(folder: Path, data: Path, steps: int = STEPS) -> dict:
 
 @pytest.fixture(scope="module")
 def references(workdir) -> dict:
-    return {name: reference(workdir / name, workdir / "data.jsonl") for name in ("llama", "qwen2-moe")}
+    return {name: reference(workdir / name, workdir / "data.jsonl") for name in ("llama", "qwen2-moe", "mixtral")}
 
 
 def ok(result):
@@ -134,23 +140,30 @@ def assert_same_training(out: Path, ref: dict, base: Path, steps: int = STEPS) -
 
 
 CASES = [
-    # (model, world size, micro batch, sync, layout); G=13 makes every split ragged.
-    ("llama", 1, 5, "every", "shard"),
-    ("llama", 2, 3, "last", "shard"),
-    ("llama", 2, 2, "every", "shard"),
-    ("llama", 2, 3, "last", "replicate"),
-    ("qwen2-moe", 1, 5, "every", "shard"),
-    ("qwen2-moe", 2, 3, "last", "shard"),
-    ("qwen2-moe", 2, 2, "last", "replicate"),
+    # (model, world size, micro batch, sync, layout, flags); G=13 makes every split ragged.
+    ("llama", 1, 5, "every", "shard", ""),
+    ("llama", 2, 3, "last", "shard", ""),
+    ("llama", 2, 2, "every", "shard", ""),
+    ("llama", 2, 3, "last", "replicate", ""),
+    ("llama", 2, 3, "last", "shard", "--activation-checkpointing"),
+    ("llama", 2, 2, "every", "shard", "--rank0-loading"),  # the adapters broadcast from rank 0 with the base
+    ("mixtral", 1, 5, "every", "shard", ""),
+    ("mixtral", 2, 3, "last", "shard", ""),
+    ("qwen2-moe", 1, 5, "every", "shard", ""),
+    ("qwen2-moe", 2, 3, "last", "shard", ""),
+    ("qwen2-moe", 2, 2, "last", "replicate", ""),
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name,world,micro,sync,layout", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_lora_step_equals_peft_one_big_batch(workdir, references, tmp_path, name, world, micro, sync, layout):
+@pytest.mark.parametrize(
+    "name,world,micro,sync,layout,flags", CASES, ids=["-".join(map(str, c)).rstrip("-") for c in CASES]
+)
+def test_lora_step_equals_peft_one_big_batch(workdir, references, tmp_path, name, world, micro, sync, layout, flags):
     out = tmp_path / "run"
     args = ["--model", str(workdir / name), "--dataset", str(workdir / "data.jsonl"), "--output-dir", str(out),
-            "--micro-batch", str(micro), "--sync", sync, "--layout", layout, "--max-steps", str(STEPS), *COMMON]  # fmt: skip
+            "--micro-batch", str(micro), "--sync", sync, "--layout", layout, "--max-steps", str(STEPS), *COMMON,
+            *flags.split()]  # fmt: skip
     result = ok(run_cli(args, nproc=world))
     assert "lora              r=4 alpha=8" in result.stdout
     assert_same_training(out, references[name], workdir / name)
