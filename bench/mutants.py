@@ -1041,6 +1041,10 @@ MUTANTS = [
            "            param.data = param.data.float()",
            "        if is_adapter(name) and not param.is_meta:\n            param.data = param.data.bfloat16()",
            ("tests/test_lora.py", "-k", "bf16")),
+    Mutant("lora: verify's reference is the model without adapters", "accum_cli/run/verify_reference.py",
+           "    model = lora.apply(load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed), cfg).to(device)",
+           "    model = load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed).to(device)",
+           ("tests/test_lora.py", "-k", "verify")),
 ]  # fmt: skip
 
 

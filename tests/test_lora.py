@@ -308,3 +308,15 @@ def test_lora_in_bf16_follows_the_fp32_reference(workdir, references, tmp_path, 
     saved = dcp.FileSystemReader(str(out / "checkpoints" / f"step-{STEPS:06d}")).read_metadata().state_dict_metadata
     adapters = {k: v.properties.dtype for k, v in saved.items() if k.startswith("model.") and ".lora_" in k}
     assert adapters and set(adapters.values()) == {torch.float32}, "the adapters' master weights are fp32"
+
+
+def test_verify_checks_a_lora_run_against_its_own_reference(workdir, tmp_path):
+    """`accum-train verify --lora-r R` on one rank, where the reference is its own one-process model: the
+    adapted model too, and the run passes."""
+    args = ["verify", "--model", str(workdir / "llama"), "--dataset", str(workdir / "data.jsonl"), "--output-dir",
+            str(tmp_path / "run"), "--micro-batch", "5", "--layout", "shard", "--verify-steps", "2",
+            *[a for a in COMMON if a != "--verbose"]]  # fmt: skip
+    result = ok(run_cli(args))
+    assert "one process" in result.stdout
+    assert "verdict           PASS" in result.stdout, result.stdout
+    assert "lora_B" in result.stdout  # the parameters compared are the adapters
