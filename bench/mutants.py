@@ -1045,6 +1045,9 @@ MUTANTS = [
            "    model = lora.apply(load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed), cfg).to(device)",
            "    model = load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed).to(device)",
            ("tests/test_lora.py", "-k", "verify")),
+    Mutant("lora: the estimate gives the frozen base gradients", "accum_cli/memory/measure.py",
+           "            if p.requires_grad:  # LoRA's frozen base has none\n                p.grad = torch.zeros_like(p)",
+           "            p.grad = torch.zeros_like(p)", ("tests/test_lora.py", "-k", "matches_real")),
 ]  # fmt: skip
 
 

@@ -320,3 +320,30 @@ def test_verify_checks_a_lora_run_against_its_own_reference(workdir, tmp_path):
     assert "one process" in result.stdout
     assert "verdict           PASS" in result.stdout, result.stdout
     assert "lora_B" in result.stdout  # the parameters compared are the adapters
+
+
+@pytest.mark.distributed
+def test_the_lora_estimate_matches_real_ranks(tmp_path, monkeypatch):
+    """The estimate of a LoRA step (the fake adapted model) against the same step measured on 2 real gloo
+    ranks (bench/measure_peak.py --lora-r), sharded `last` and replicated: within test_estimate's 15%."""
+    from helpers import REPO, launch
+
+    from accum_cli.memory import estimate
+    from accum_cli.memory.query import Query
+    from accum_cli.model.load import EMBEDDED_MODEL_DIR
+
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "cache"))
+    config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+    spec = {"lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
+    argv = ["--model", str(EMBEDDED_MODEL_DIR), "--seq-len", "128", "--sync", "last", "replicated", "--micro-batch",
+            "4", "--lora-r", "8"]  # fmt: skip
+    done = launch(str(REPO / "bench" / "measure_peak.py"), argv, ranks=2, kind="path", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    real = {r["sync"]: r for r in map(json.loads, (x for x in done.stdout.splitlines() if x.startswith("{")))}
+    queries = [Query(config, 2, 1, 4, 128, "last", bf16=False, activation_checkpointing=False, replicated=replicated,
+                     lora=spec) for replicated in (False, True)]  # fmt: skip
+    for (sync, row), found in zip(real.items(), estimate.estimate(queries), strict=True):
+        print(f"{sync}: estimated {found.peak / 2**20:.1f} MiB, measured {row['peak'] / 2**20:.1f} MiB")
+        assert abs(found.peak - row["peak"]) <= 0.15 * row["peak"], (sync, found.peak, row["peak"])
+        assert found.breakdown["gradients"] < 0.1 * found.breakdown["sharded_params" if sync == "last" else
+                                                                    "unsharded_params"]  # fmt: skip

@@ -70,15 +70,17 @@ def tracked_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     inputs = tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels))
+    frozen = contextlib.nullcontext()
     if replicated:
         tracker = torch_compat.MemTracker()
         tracker.track_external(model, optimizer, *inputs)
+        frozen = _frozen_without_grad_hooks(model)
     else:
         tracker = torch_compat.FSDPMemTracker(
             model, optimizer
         )  # entered with the params and AdamW moments already there
         tracker.track_inputs(inputs)
-    with tracker:
+    with frozen, tracker:
         # The tracker wraps every unit's post-backward with its statistics of the unit's forward and
         # unsharded parameters; a matrix used in place (vocab_parallel.py) has neither, as FSDP never
         # gathered it: its own post-backward, which finds nothing to reduce, runs unwrapped.
@@ -99,6 +101,26 @@ def tracked_step(
     snapshot = tracker.get_tracker_snapshot("peak")
     snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
     return int(snap["Total"]), (replicated_breakdown_of(snap) if replicated else breakdown_of(snap))
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _frozen_without_grad_hooks(model):
+    """MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor that takes none
+    (LoRA's frozen base): around the tracked step, a frozen parameter's hook registration does nothing
+    (it never has a gradient to count)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for param in frozen:
+        param.register_hook = param.register_post_accumulate_grad_hook = lambda hook: _NoHook()
+    try:
+        yield
+    finally:
+        for param in frozen:
+            del param.register_hook, param.register_post_accumulate_grad_hook
 
 
 def replicated_breakdown_of(snapshot: dict) -> dict:
