@@ -147,6 +147,7 @@ CASES = [
     ("llama", 2, 3, "last", "replicate", ""),
     ("llama", 2, 3, "last", "shard", "--activation-checkpointing"),
     ("llama", 2, 2, "every", "shard", "--rank0-loading"),  # the adapters broadcast from rank 0 with the base
+    ("llama", 4, 2, "hsdp-defer", "shard", "--replicas 2"),  # HSDP 2 replicas x 2 shards
     ("mixtral", 1, 5, "every", "shard", ""),
     ("mixtral", 2, 3, "last", "shard", ""),
     ("qwen2-moe", 1, 5, "every", "shard", ""),
