@@ -7,7 +7,8 @@ own peak moves by 100 MiB from run to run); the table gives each one's median an
 
 - `ddp`: Accelerate's documented `accumulate()` loop (Accelerator(cpu=True), which wraps the
   model in torch DDP; no_sync on all but the last microbatch), the loop a user writes instead;
-- `accum-train --layout shard --sync every|last`, and `--layout replicate` for comparison.
+- `accum-train --layout shard --sync every|last`, and `--layout replicate` for comparison;
+- the same with `--lora-r 8` (sharded `last`, replicated): LoRA against full fine-tuning (docs/LORA.md).
 
 Per contestant and rank: VmHWM (the peak resident set) at the end of training (before accum-train
 writes final/, which the DDP loop does not do), and the RSS just before the
