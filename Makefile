@@ -52,7 +52,7 @@ bench-overhead: setup
 bench-peers: setup
 	bash bench/peers.sh
 
-# Peak resident memory per rank: accum-train sharded and replicated vs Accelerate's DDP loop (~6 min).
+# Peak resident memory per rank and tokens/s: accum-train sharded and replicated, full and LoRA r8, vs Accelerate's DDP loop (~9 min).
 bench-memory: setup
 	$(BIN)/python bench/memory.py
 

@@ -35,7 +35,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accum-steps", type=int, default=2)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--lora-r", type=int, help="LoRA adapters of this rank on every linear layer (alpha 2r)")
     return parser.parse_args(argv)
+
+
+def lora_spec(args: argparse.Namespace) -> dict | None:
+    """--lora-r as the estimate's Query holds it (model/lora.py `spec`)."""
+    if args.lora_r is None:
+        return None
+    return {"lora_r": args.lora_r, "lora_alpha": 2.0 * args.lora_r, "lora_dropout": 0.0,
+            "lora_target_modules": "all-linear"}  # fmt: skip
 
 
 def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False):
@@ -43,6 +52,7 @@ def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False
     built once for all cases, as the estimate builds its fake model once for all queries."""
     from accum_cli.config.settings import TrainConfig
     from accum_cli.model import load as modeling
+    from accum_cli.model import lora
     from accum_cli.parallel.sharding import ShardSettings
     from accum_cli.step import optim
 
@@ -58,6 +68,7 @@ def build(args: argparse.Namespace, model_dir: str, rt, replicated: bool = False
         model.train()
     else:
         model = modeling.load_model(source, config, False, seed=0)
+    lora.apply(model, lora.settings_of(lora_spec(args)))  # before sharding, as the run
     if not replicated:
         wrap.shard(model, rt.mesh(1), settings)
     elif args.activation_checkpointing:

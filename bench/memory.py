@@ -7,7 +7,8 @@ own peak moves by 100 MiB from run to run); the table gives each one's median an
 
 - `ddp`: Accelerate's documented `accumulate()` loop (Accelerator(cpu=True), which wraps the
   model in torch DDP; no_sync on all but the last microbatch), the loop a user writes instead;
-- `accum-train --layout shard --sync every|last`, and `--layout replicate` for comparison.
+- `accum-train --layout shard --sync every|last`, and `--layout replicate` for comparison;
+- the same with `--lora-r 8` (sharded `last`, replicated): LoRA against full fine-tuning (docs/LORA.md).
 
 Per contestant and rank: VmHWM (the peak resident set) at the end of training (before accum-train
 writes final/, which the DDP loop does not do), and the RSS just before the
@@ -24,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from speed import finish  # bench/ is this script's own folder
@@ -45,11 +48,11 @@ def rss_mib(field: str) -> float:
     raise RuntimeError(field)
 
 
-def report(name: str, floor: float, peak: float) -> None:
-    """Every rank's floor and peak, printed by rank 0 as one JSON line."""
+def report(name: str, floor: float, peak: float, seconds: float) -> None:
+    """Every rank's floor, peak and seconds in optimizer steps, printed by rank 0 as one JSON line."""
     import torch.distributed as dist
 
-    mine = {"floor": floor, "peak": peak}
+    mine = {"floor": floor, "peak": peak, "seconds": seconds}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
@@ -88,6 +91,7 @@ def ddp(model_dir: str, data: str) -> None:
     rows = [json.loads(line)["input_ids"] for line in Path(data).read_text().splitlines()]
     loader = torch.utils.data.DataLoader(torch.tensor(rows), batch_size=M)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    started = time.perf_counter()
     for ids in loader:
         with accelerator.accumulate(model):
             accelerator.backward(model(input_ids=ids, labels=ids).loss)
@@ -95,7 +99,7 @@ def ddp(model_dir: str, data: str) -> None:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
-    report("ddp (Accelerate accumulate)", floor, rss_mib("VmHWM"))
+    report("ddp (Accelerate accumulate)", floor, rss_mib("VmHWM"), time.perf_counter() - started)
     accelerator.end_training()
     finish()  # past gloo's exit crash, as bench/speed.py's peers
 
@@ -108,11 +112,13 @@ def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
     from accum_cli.model import wrap
     from accum_cli.run import train
 
-    floor, peak = {}, {}
+    floor, peak = {}, {"seconds": 0.0}
     step = train.train_step
 
     def measured_step(*args, **kwargs):  # the peak of training, before the run writes final/
+        started = time.perf_counter()
         result = step(*args, **kwargs)
+        peak["seconds"] += time.perf_counter() - started
         peak["hwm"] = rss_mib("VmHWM")
         return result
 
@@ -133,7 +139,7 @@ def accum_train(model_dir: str, data: str, name: str, *flags: str) -> None:
 
     def exit_with_report(code: int) -> None:
         if code == 0 and dist.is_initialized():
-            report(name, floor["rss"], peak["hwm"])
+            report(name, floor["rss"], peak["hwm"], peak["seconds"])
         exit_process(code)
 
     cli.exit_process = exit_with_report
@@ -145,7 +151,11 @@ CONTESTANTS = {
     "shard-every": ["accum", "accum-train shard every", "--layout", "shard", "--sync", "every"],
     "shard-last": ["accum", "accum-train shard last", "--layout", "shard", "--sync", "last"],
     "replicate": ["accum", "accum-train replicate", "--layout", "replicate"],
-}
+    # LoRA (docs/LORA.md): r 8 on every linear layer of the decoder blocks; the base frozen
+    "lora-shard-last": ["accum", "accum-train LoRA r8 shard last", "--layout", "shard", "--sync", "last",
+                        "--lora-r", "8"],
+    "lora-replicate": ["accum", "accum-train LoRA r8 replicate", "--layout", "replicate", "--lora-r", "8"],
+}  # fmt: skip
 
 
 def free_port() -> int:
@@ -164,16 +174,19 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=int(os.environ.get("REPS", "3")))
+    parser.add_argument("--only", help="the contestants whose key matches this regular expression (ddp always runs)")
     args = parser.parse_args()
+    chosen = {k: v for k, v in CONTESTANTS.items() if k == "ddp" or not args.only or re.search(args.only, k)}
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", BENCH_MEMORY_ROLE="rank",
                PYTHONPATH=f"{HERE.parent}:{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
     torchrun = Path(sys.executable).with_name("torchrun")
     peaks: dict[str, list[float]] = {}  # per contestant and round: the larger rank's peak
     above: dict[str, list[float]] = {}  # and the larger rank's peak above its floor
+    speed: dict[str, list[float]] = {}  # tokens/s over the optimizer steps (the slower rank's time)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = write_workload(Path(tmp))
         for rep in range(args.reps):
-            for key, (kind, *flags) in CONTESTANTS.items():  # alternating, as bench/speed.py does
+            for key, (kind, *flags) in chosen.items():  # alternating, as bench/speed.py does
                 cmd = [str(torchrun), f"--nproc_per_node={W}", f"--master_port={free_port()}", __file__,
                        kind, str(model_dir), str(data), *flags]  # fmt: skip
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -184,6 +197,7 @@ def main() -> None:
                 name = result["name"]
                 peaks.setdefault(name, []).append(max(r["peak"] for r in result["ranks"]))
                 above.setdefault(name, []).append(max(r["peak"] - r["floor"] for r in result["ranks"]))
+                speed.setdefault(name, []).append(G * SEQ * STEPS / max(r["seconds"] for r in result["ranks"]))
                 print(f"rep {rep + 1}/{args.reps}  {name:<32} peak {peaks[name][-1]:6.0f} MiB", flush=True)
     n_params = 2 * VOCAB * HIDDEN + LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER + 2 * HIDDEN) + HIDDEN
     print(f"\nLlama vocab {VOCAB}, hidden {HIDDEN}, {LAYERS} layers, untied: {n_params / 1e6:.1f}M parameters "
@@ -191,13 +205,15 @@ def main() -> None:
           f"medians of {args.reps} rounds")  # fmt: skip
     print(
         f"{'contestant':32} {'peak MiB (max rank)':>20} {'min-max':>11} {'vs ddp':>7} {'above floor':>12} {'vs ddp':>7}"
+        f" {'tokens/s':>9}"
     )
     ddp_name = next(iter(peaks))
     base, base_above = statistics.median(peaks[ddp_name]), statistics.median(above[ddp_name])
     for name in peaks:
         peak, over = statistics.median(peaks[name]), statistics.median(above[name])
         spread = f"{min(peaks[name]):.0f}-{max(peaks[name]):.0f}"
-        print(f"{name:32} {peak:20.0f} {spread:>11} {peak / base:7.2f} {over:12.0f} {over / base_above:7.2f}")
+        print(f"{name:32} {peak:20.0f} {spread:>11} {peak / base:7.2f} {over:12.0f} {over / base_above:7.2f}"
+              f" {statistics.median(speed[name]):9.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

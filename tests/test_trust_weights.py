@@ -28,7 +28,8 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from accum_cli.config.settings import FP32_MAX, FP32_TINY, RUN_RECORD_KEYS
+from accum_cli.config.fields import FP32_MAX, FP32_TINY
+from accum_cli.config.settings import RUN_RECORD_KEYS
 
 slow = pytest.mark.distributed  # real training subprocesses: the slow set
 

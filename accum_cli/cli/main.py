@@ -309,8 +309,16 @@ def export_main(
             metavar="[" + "|".join(EXPORT_DTYPES) + "]",
         ),
     ] = "auto",
+    base: Annotated[
+        Optional[str],
+        Opt("--base", help="LoRA checkpoints: the model the adapters were trained on (the run's --model)."),
+    ] = None,
+    merge: Annotated[
+        bool, Opt("--merge", help="LoRA checkpoints: the base with the adapters merged in, not the adapters alone.")
+    ] = False,
 ) -> None:
-    """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer)."""
+    """Consolidate a sharded checkpoint into Hugging Face format (safetensors, config, tokenizer); a LoRA
+    checkpoint into a peft adapter folder, or with --merge into the merged model."""
     from transformers.utils import logging as hf_logging
 
     from accum_cli.rundir.export import export
@@ -320,7 +328,9 @@ def export_main(
     try:
         if export_dtype not in EXPORT_DTYPES:
             raise UserError(f"--export-dtype {export_dtype!r} is unknown; use one of: {', '.join(EXPORT_DTYPES)}")
-        target = export(Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code, export_dtype)
+        target = export(
+            Path(checkpoint).expanduser(), Path(out).expanduser(), trust_remote_code, export_dtype, base, merge
+        )
     except UserError as exc:
         fail(str(exc), prog=ExportErrors.prog)
     except Terminated:

@@ -22,7 +22,19 @@ from typing import Any
 
 from accum_cli.config import batch_schedule as schedules
 from accum_cli.config import batch_tokens, policy, recipe
-from accum_cli.config.fields import BATCH, CHECKPOINTS, LAUNCH, MODEL_DATA, OPTIMISATION, OUTPUT, PANELS, option
+from accum_cli.config.fields import (
+    BATCH,
+    CHECKPOINTS,
+    FP32_TINY,
+    LAUNCH,
+    LORA,
+    MODEL_DATA,
+    OPTIMISATION,
+    OUTPUT,
+    PANELS,
+    option,
+    out_of_bounds,
+)
 from accum_cli.errors import UserError
 
 LR_SCHEDULES = ("cosine", "constant")
@@ -41,11 +53,6 @@ LAYOUTS = (LAYOUT_AUTO, SHARD, REPLICATE)
 RESUME_AUTO = "auto"  # the newest checkpoint if there is one, else a fresh start
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64; numpy's default_rng any non-negative int
 MAX_GLOBAL_BATCH = 2**40  # far past any real step; the plan's arithmetic (--strict-batch: O(sqrt G)) stays instant
-# Training arithmetic (master weights, AdamW's state) is fp32 whatever --precision says; this layer
-# imports no torch, so its limits are written out: torch.finfo(torch.float32).max and .tiny (the
-# smallest normal number), tests/test_trust_weights.py checks them against torch.
-FP32_MAX = (2 - 2**-23) * 2.0**127
-FP32_TINY = 2.0**-126
 DEFAULT_WARMUP_STEPS = 5  # --warmup-steps and --warmup-ratio unset
 
 # The top level of a run's config.json, as run/record.py `run_record_of` writes it: only "config" is read.
@@ -168,6 +175,15 @@ class TrainConfig:
     )  # fmt: skip
     on_nonfinite: str = option("abort", "A NaN/inf loss or grad norm: abort (exit 3) or skip the step.",
                                OPTIMISATION, choices=NONFINITE_ACTIONS)  # fmt: skip
+    # LoRA (model/lora.py, docs/LORA.md)
+    lora_r: int | None = option(None, "Train LoRA adapters of this rank on the frozen model, through peft (pip install "
+                                "'accum-train[lora]').", LORA, none_means="no: every parameter trains", ge=1)  # fmt: skip
+    lora_alpha: float | None = option(None, "LoRA scaling: the update is alpha / r x B A.", LORA,
+                                      none_means="2 x --lora-r", gt=0)  # fmt: skip
+    lora_dropout: float = option(0.0, "Dropout on the input of the LoRA branch.", LORA, ge=0, lt=1)
+    lora_target_modules: str = option("all-linear", "Modules to adapt: all-linear (every linear layer of the decoder "
+                                      "blocks, not the output layer) or names, comma-separated (q_proj,v_proj).",
+                                      LORA)  # fmt: skip
     # Checkpoints
     checkpoint_every: int | None = option(
         None, "Write a sharded checkpoint every N optimizer steps.", CHECKPOINTS,
@@ -226,10 +242,10 @@ class TrainConfig:
         if isinstance(self.micro_batch, str) and self.micro_batch != "auto":  # a flag's text: a number or auto
             text = self.micro_batch.strip()
             self.micro_batch = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else self.micro_batch
-        problems = [p for f in fields(self) if (p := _out_of_bounds(f, getattr(self, f.name)))]
+        problems = [p for f in fields(self) if (p := out_of_bounds(f, getattr(self, f.name)))]
         # "" from an unset shell variable: never taken for the default (no tracker, a run named after its folder)
         for name in ("model", "dataset", "eval_dataset", "text_column", "dataset_config", "split", "run_name",
-                     "report_to", "sample_prompts"):  # fmt: skip
+                     "report_to", "sample_prompts", "lora_target_modules"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 problems.append(f"{flag(name)} is empty; pass a value or leave the flag out")
@@ -249,6 +265,8 @@ class TrainConfig:
             problems.append("--eval-split-ratio cannot hold out part of a stream; pass --eval-dataset with --streaming")
         if self.sample_every is not None and self.sample_prompts is None:
             problems.append("--sample-every needs --sample-prompts FILE: the prompts to complete")
+        if self.lora_r is None and self.lora_alpha is not None:
+            problems.append("--lora-alpha needs --lora-r R: the rank of the adapters to train")
         if self.sync == policy.HSDP_DEFER and self.replicas < 2:
             problems.append("--sync hsdp-defer needs --replicas 2 or more (a 2-D mesh)")
         if problems:
@@ -290,41 +308,6 @@ def default_text(name: str) -> str:
     if isinstance(f.default, bool):
         return "yes" if f.default else "no"
     return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
-
-
-def _out_of_bounds(f: dataclasses.Field, value: Any) -> str | None:
-    """The one problem with a field's value against its declared choices and bounds, if any."""
-    meta, name = f.metadata, flag(f.name)
-    if value is None:
-        return None
-    if meta["choices"] is not None and value not in meta["choices"]:
-        return f"{name} {recipe.quote(value)} is unknown; use one of: {', '.join(meta['choices'])}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    got = recipe.quote(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{name} must be a finite number, got {got}"
-    ge, gt, le, lt = meta["ge"], meta["gt"], meta["le"], meta["lt"]
-    above = (ge is None or value >= ge) and (gt is None or value > gt)
-    below = (le is None or value <= le) and (lt is None or value < lt)
-    if above and below:
-        # Finite here, infinite in the fp32 arithmetic that uses it (--lr 1e39 makes every weight inf).
-        if isinstance(value, float) and abs(value) > FP32_MAX:
-            return f"{name} must be a finite fp32 number (at most {FP32_MAX:g}: training computes in fp32), got {got}"
-        return None
-    why = f"; {meta['why']}" if meta["why"] else ""
-    # each side as (interval notation, words)
-    low = (f"[{ge}", f">= {ge}") if ge is not None else (f"({gt}", f"> {gt}") if gt is not None else None
-    high = (f"{le}]", f"<= {le}") if le is not None else (f"{lt})", f"< {lt}") if lt is not None else None
-    if low is not None and high is not None:
-        return f"{name} must lie in {low[0]}, {high[0]}, got {got}{why}"
-    if low is not None:
-        return (
-            f"{name} must be a positive number, got {got}{why}"
-            if gt == 0
-            else f"{name} must be {low[1]}, got {got}{why}"
-        )
-    return f"{name} must be {high[1]}, got {got}{why}"
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:

@@ -50,12 +50,13 @@ class Target:
     strict_batch: bool = False
     replicated: bool = False  # the replicated layout (layout.py): whole model, one reduction per step
     device_type: str = "cpu"  # the run's devices: "cuda" or "cpu"
+    lora: dict | None = None  # LoRA's settings (model/lora.py `spec`), None for full fine-tuning
 
     def query(self, sync: str, micro_batch: int) -> Query:
         return Query(
             self.model_config, self.world_size, self.replicas, micro_batch, self.seq_len, sync, self.bf16,
             self.activation_checkpointing, self.reshard_after_forward, replicated=self.replicated,
-            device_type=self.device_type,
+            device_type=self.device_type, lora=self.lora,
         )  # fmt: skip
 
     def switch(self) -> int | None:

@@ -58,7 +58,8 @@ def tracked_step(
 
     if not optimizer.state:
         for p in model.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # LoRA's frozen base has none
+                p.grad = torch.zeros_like(p)
         # In FakeTensorMode, DTensor's sharding propagation builds fake tensors of each operand's
         # *global* shape under the active fake mode, and the tracker counts them: clipping's norm
         # over all gradients would add the whole model in fp32 to the first step's peak (4.6 GiB
@@ -69,15 +70,17 @@ def tracked_step(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     inputs = tuple(t for mb in microbatches for t in (mb.input_ids, mb.attention_mask, mb.labels))
+    frozen = contextlib.nullcontext()
     if replicated:
         tracker = torch_compat.MemTracker()
         tracker.track_external(model, optimizer, *inputs)
+        frozen = _frozen_without_grad_hooks(model)
     else:
         tracker = torch_compat.FSDPMemTracker(
             model, optimizer
         )  # entered with the params and AdamW moments already there
         tracker.track_inputs(inputs)
-    with tracker:
+    with frozen, tracker:
         # The tracker wraps every unit's post-backward with its statistics of the unit's forward and
         # unsharded parameters; a matrix used in place (vocab_parallel.py) has neither, as FSDP never
         # gathered it: its own post-backward, which finds nothing to reduce, runs unwrapped.
@@ -98,6 +101,26 @@ def tracked_step(
     snapshot = tracker.get_tracker_snapshot("peak")
     snap = max(snapshot.values(), key=lambda per_kind: per_kind.get("Total", 0))  # the one device in use
     return int(snap["Total"]), (replicated_breakdown_of(snap) if replicated else breakdown_of(snap))
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _frozen_without_grad_hooks(model):
+    """MemTracker hooks every parameter's gradient, and torch refuses a hook on a tensor that takes none
+    (LoRA's frozen base): around the tracked step, a frozen parameter's hook registration does nothing
+    (it never has a gradient to count)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for param in frozen:
+        param.register_hook = param.register_post_accumulate_grad_hook = lambda hook: _NoHook()
+    try:
+        yield
+    finally:
+        for param in frozen:
+            del param.register_hook, param.register_post_accumulate_grad_hook
 
 
 def replicated_breakdown_of(snapshot: dict) -> dict:
@@ -167,7 +190,7 @@ def _fake_model(query: Query, fake_mode):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from accum_cli.config.settings import TrainConfig
-    from accum_cli.model import wrap
+    from accum_cli.model import lora, wrap
     from accum_cli.parallel.runtime import Runtime
     from accum_cli.parallel.sharding import ShardSettings
     from accum_cli.step import optim
@@ -175,9 +198,13 @@ def _fake_model(query: Query, fake_mode):
     config_dict = dict(query.model_config)
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     config.use_cache = False
+    adapters = lora.adapters_where_built() if query.lora else contextlib.nullcontext()
     if query.replicated:  # a plain model: no process group, fake or real, is needed or touched
-        with fake_mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        with fake_mode, adapters:
+            model = lora.apply(
+                AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
+                lora.settings_of(query.lora),
+            )
             model.train()
             settings = ShardSettings(bf16=query.bf16, activation_checkpointing=query.activation_checkpointing)
             wrap.prepare_replicated(model, settings, torch.device("cpu"))  # as the run's build_replicated
@@ -193,8 +220,11 @@ def _fake_model(query: Query, fake_mode):
     )
     rt = Runtime(0, 0, query.world_size, query.world_size, torch.device("cpu"))
     mesh = rt.mesh(query.replicas)  # outside fake mode: the mesh reads its rank layout
-    with fake_mode:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with fake_mode, adapters:
+        model = lora.apply(
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa"),
+            lora.settings_of(query.lora),
+        )
         model.train()
         wrap.shard(model, mesh, settings)
         optimizer, _ = optim.build(model, TrainConfig(lr=1e-3), total_steps=1)  # the rate does not change memory

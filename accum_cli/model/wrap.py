@@ -17,6 +17,7 @@ from accum_cli.cpu import kernels
 from accum_cli.cpu import linear as cpu_linear
 from accum_cli.cpu.gloo import InPlaceReduceScatter
 from accum_cli.loss import fused_loss, vocab_parallel
+from accum_cli.model import lora
 from accum_cli.model.compiling import compile_layers, prepare_compile
 from accum_cli.model.load import ModelSource, build_fp32, decoder_layers, load_model
 from accum_cli.parallel import grad_use
@@ -108,7 +109,8 @@ def shard(model: nn.Module, mesh, settings: ShardSettings) -> nn.Module:
         model.set_reduce_scatter_unused_params(True)
     # One shard dimension: the vocabulary matrices are used where they lie (vocab_parallel.py), the
     # head where the loss is fused.
-    if vocab_parallel.qualifies(mesh, settings.offload_params, settings.bf16):
+    # Not under LoRA: the vocabulary matrices are frozen there, and the plain path is the one tested.
+    if vocab_parallel.qualifies(mesh, settings.offload_params, settings.bf16) and not lora.adapted(model):
         plain = embedding if embedding is not None and vocab_parallel.plain_lookup(embedding) else None
         vocab_parallel.install(model, mesh.get_group(), plain, head if fused else None, fused_loss.recording_sharded)
     grad_use.track(model, vocab_parallel.born_sharded(model))
@@ -197,28 +199,31 @@ def describe_sharding(model: nn.Module) -> str:
 def build_replicated(source: ModelSource, config, cfg, settings: ShardSettings, rt) -> nn.Module:
     """The whole model on every rank (layout.py): every rank reads the same weights, or draws
     the same ones from the seed, so the replicas start equal and stay equal."""
-    model = load_model(source, config, cfg.trust_remote_code, cfg.seed).to(rt.device)
+    model = lora.apply(load_model(source, config, cfg.trust_remote_code, cfg.seed), cfg).to(rt.device)
     return prepare_replicated(model, settings, rt.device)
 
 
 def describe_replicated(model: nn.Module) -> str:
     n_params = sum(p.numel() for p in model.parameters())
-    return f"replicated: all {n_params:,} parameters on every rank, gradients summed once per step"
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = "" if n_trained == n_params else f" ({n_trained:,} with gradients)"
+    return f"replicated: all {n_params:,} parameters on every rank{trained}, gradients summed once per step"
 
 
 def build_sharded(source: ModelSource, config, cfg, settings: ShardSettings, rt, mesh) -> nn.Module:
     """The sharded model on every rank, its weights read once per rank or once in all."""
     if not (settings.rank0_loading and rt.world_size > 1):
-        return shard(load_model(source, config, cfg.trust_remote_code, cfg.seed), mesh, settings)
+        return shard(lora.apply(load_model(source, config, cfg.trust_remote_code, cfg.seed), cfg), mesh, settings)
 
     # Only rank 0 holds the full weights in CPU memory; the others shard an empty (meta)
     # model and receive their shards by broadcast.
     if rt.is_main:
-        model = load_model(source, config, cfg.trust_remote_code, cfg.seed)
+        model = lora.apply(load_model(source, config, cfg.trust_remote_code, cfg.seed), cfg)
         full_state = model.state_dict()
     else:  # fp32 as rank 0's, whatever the config declares: the broadcast copies into these
         with torch.device("meta"):
             model = build_fp32(config, cfg.trust_remote_code)
+        model = lora.apply(model, cfg)
         model.train()
         full_state = {}
     shard(model, mesh, settings)

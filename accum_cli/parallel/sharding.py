@@ -108,6 +108,9 @@ def resolve(cfg: TrainConfig, device_type: str) -> ShardSettings:
         notes.append("offload_params has no effect on CPU: the parameters already live there")
         offload = False
     compiles = cfg.compile if cfg.compile is not None else _accelerate_compiles(env, notes)
+    if compiles and cfg.lora_r is not None:
+        raise UserError("--compile (or the accelerate config's dynamo backend) with --lora-r is not supported yet; "
+                        "LoRA runs stay eager")  # fmt: skip
     return ShardSettings(
         bf16=bf16,
         reshard_after_forward=pick("reshard_after_forward", True),
@@ -115,7 +118,7 @@ def resolve(cfg: TrainConfig, device_type: str) -> ShardSettings:
         activation_checkpointing=pick("activation_checkpointing", False),
         rank0_loading=pick("rank0_loading", False),
         compile=compiles,
-        compile_auto=cfg.compile is None and not compiles,
+        compile_auto=cfg.compile is None and not compiles and cfg.lora_r is None,  # LoRA: eager (tested)
         compile_after_s=compile_threshold(env),
         source="flags and the accelerate config" if launched_by_accelerate else "flags and defaults",
         notes=tuple(notes),

@@ -144,6 +144,7 @@ def summarize_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool
     lines = [
         f"model             {s.source.name}: {s.size.n_params:,} parameters{initialised}, {attention} attention",
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss)[1:],  # the router's
+        *([f"lora              {s.lora}"] if s.lora else []),
         describe_tokenizer(s.tokenizer),
         *(
             _epoch(s, s.stats.summary(s.plan.global_batch, rows_packed(s)))
@@ -214,6 +215,7 @@ def describe_run(s: Setup, cfg: TrainConfig, resume: str | None, lr_given: bool)
         f"model             {s.source.name}: {s.size.n_params:,} parameters"
         + ("" if s.source.has_weights else f" (initialised from its config, seed {cfg.seed})"),
         *modeling.describe_model(s.model_config, cfg.attn_implementation, cfg.moe_aux_loss),
+        *([f"lora              {s.lora}"] if s.lora else []),
         describe_tokenizer(s.tokenizer),
         *(
             _epoch(s, s.stats.describe(s.plan.global_batch, rows_packed(s)))

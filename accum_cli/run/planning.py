@@ -3,6 +3,7 @@ decided from the memory estimate (rank 0 decides, every rank follows); `--plan` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from accum_cli.config.settings import TrainConfig
 from accum_cli.errors import UserError
 from accum_cli.memory import fit, layout
 from accum_cli.model import load as modeling
+from accum_cli.model import lora
 from accum_cli.parallel import runtime
 from accum_cli.parallel.sharding import ShardSettings
 from accum_cli.run.data_setup import epoch_steps
@@ -47,7 +49,7 @@ def fit_target(
     return fit.Target(
         json.loads(model_config.to_json_string()), cfg.global_batch, world_size, cfg.replicas, seq_len,
         settings.bf16, settings.activation_checkpointing, settings.reshard_after_forward, cfg.strict_batch,
-        device_type=device_type,
+        device_type=device_type, lora=lora.spec(cfg),
     )  # fmt: skip
 
 
@@ -114,12 +116,32 @@ def plan_only(cfg: TrainConfig, world_size: int) -> None:
     print_lines(
         [
             *table,
+            *lora_lines(cfg, model_config, target, choice),
             f"micro batch       {choice.micro_batch} ({micro_reason_of(cfg, world_size, choice.micro_reason)})",
             f"chosen: {choice.policy.policy} — {choice.policy.reason}",
             f"layout: {choice.layout.layout} — {choice.layout.reason}",
         ],
         f"memory per rank and sync policy ({cfg.sync})",
     )
+
+
+def lora_lines(cfg: TrainConfig, model_config, target: fit.Target, choice: layout.Choice) -> list[str]:
+    """--plan with --lora-r: the adapters' share of the parameters, and the chosen layout's estimated peak
+    per rank next to full fine-tuning's at the same micro batch and policy."""
+    if cfg.lora_r is None:
+        return []
+    from accum_cli.memory import estimate
+
+    replicated = choice.layout.layout == layout.REPLICATE
+    sync = policy.LAST if replicated else choice.policy.policy
+    both = [dataclasses.replace(target, replicated=replicated, lora=spec) for spec in (target.lora, None)]
+    try:
+        lora_peak, full_peak = (e.peak for e in estimate.estimate([t.query(sync, choice.micro_batch) for t in both]))
+        versus = f"{fit.gib(lora_peak)} per rank vs {fit.gib(full_peak)} for full fine-tuning ({choice.layout.layout})"
+    except estimate.EstimateFailed as exc:
+        versus = f"not estimated ({exc})"
+    shapes = lora.parameter_shapes(model_config, cfg, cfg.trust_remote_code)
+    return [f"lora              {lora.describe(shapes, cfg)}", f"lora peak         {versus}"]
 
 
 def budget_for(cfg: TrainConfig, rt: runtime.Runtime | None = None) -> fit.Budget:

@@ -20,7 +20,7 @@ from accum_cli.data import cache, formats, isolate, packing, prepare, prompts, s
 from accum_cli.errors import UserError
 from accum_cli.memory import layout
 from accum_cli.model import load as modeling
-from accum_cli.model import positions
+from accum_cli.model import lora, positions
 from accum_cli.parallel import runtime, sharding
 from accum_cli.parallel.runtime import env_rank
 from accum_cli.parallel.sharding import ShardSettings
@@ -75,6 +75,7 @@ class Setup:
     sample_prompts: prompts.Prompts | None  # --sample-prompts as token ids (None without)
     schedule: schedules.Schedule | None = None  # --batch-schedule (None: every step is plan's)
     segments: tuple[schedules.Segment, ...] = ()  # its stages as this run runs them, from its first step
+    lora: str = ""  # --lora-r: the adapters and the share of the parameters they are (lora.describe)
 
 
 def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = None):
@@ -99,12 +100,23 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     if cfg.sample_prompts is not None:  # the chat template is checked once the tokenizer is loaded (setup)
         prompts.read(cfg.sample_prompts)
     shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
-    if meta is not None and meta.fingerprint != checkpoint_meta.fingerprint(shapes):
+    if cfg.lora_r is not None:
+        lora.check(cfg)
+        shapes = lora.parameter_shapes(model_config, cfg, cfg.trust_remote_code)
+    if meta is not None and meta.fingerprint != model_fingerprint(cfg, source, shapes):
+        adapters = ", other LoRA settings or LoRA on other base weights" if cfg.lora_r is not None else ""
         raise UserError(
-            f"--resume {meta.path} was saved from a different model (other parameter names or shapes); "
-            "pass the --model it was trained with"
+            f"--resume {meta.path} was saved from a different model (other parameter names or shapes{adapters}); "
+            "pass the --model (and --lora-* options) it was trained with"
         )
     return out, meta, source, model_config, seq_len, shapes
+
+
+def model_fingerprint(cfg: TrainConfig, source: modeling.ModelSource, shapes: dict) -> str:
+    """The checkpoints' model identity: its parameter names and shapes, and under LoRA also which base
+    weights the adapters were trained on (a checkpoint holds the adapters only)."""
+    names_and_shapes = checkpoint_meta.fingerprint(shapes)
+    return names_and_shapes if cfg.lora_r is None else lora.fingerprint(names_and_shapes, lora.base_identity(source))
 
 
 def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> Setup:
@@ -251,8 +263,9 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     lock = None if prepare_only else hold_output_dir(cfg, out, rt, resuming=resume is not None)
     return Setup(
         rt, plan, seq_len, dataset, eval_dataset, stats, tokenised_on, tokenizer, model_config, source, decision,
-        micro_reason, size, checkpoint_meta.fingerprint(shapes), total_steps, settings, out, meta, data_id, chosen_layout,
+        micro_reason, size, model_fingerprint(cfg, source, shapes), total_steps, settings, out, meta, data_id, chosen_layout,
         lock, stream.describe(streamed) if cfg.streaming else "", replayed, sample_prompts, schedule, tuple(segments),
+        lora.describe(shapes, cfg) if cfg.lora_r is not None else "",
     )  # fmt: skip
 
 

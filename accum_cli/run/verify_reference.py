@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from accum_cli.config.settings import TrainConfig
 from accum_cli.data.batches import MicrobatchReader, SampleOrder
 from accum_cli.data.store import IGNORE_INDEX
-from accum_cli.model import moe
+from accum_cli.model import lora, moe
 from accum_cli.model.load import load_model
 from accum_cli.run.data_setup import pad_id_of
 from accum_cli.run.setup import Setup
@@ -41,7 +41,7 @@ def one_process(s: Setup, cfg: TrainConfig, per_forward: int, bf16: bool):
     `step` (from 0) and returns (loss, grad norm, {name: fp32 CPU copy of the parameter after the step},
     {name: its gradient's norm as AdamW received it})."""
     device = s.rt.device
-    model = load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed).to(device)
+    model = lora.apply(load_model(s.source, s.model_config, cfg.trust_remote_code, cfg.seed), cfg).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [

@@ -42,6 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from accum_cli.errors import UserError, first_line
+from accum_cli.model import lora
+from accum_cli.model.lora import state_options
 from accum_cli.parallel.runtime import all_ok
 from accum_cli.rundir import outdir, safe_dcp
 from accum_cli.rundir.checkpoint_meta import (
@@ -118,7 +120,7 @@ def save(
     tmp = final.parent / f".tmp-{final.name}"
     rank, world = dist.get_rank(), dist.get_world_size()
     untrained = not optimizer.state  # every step so far was skipped (--on-nonfinite skip)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=state_options(model))
     if untrained:
         # get_state_dict makes state up for an optimizer that has none by running one AdamW step
         # at lr 0: the live optimizer would count that step, and the next real update would be
@@ -155,6 +157,7 @@ def save(
         (tmp / f".digests-rank{rank}.json").write_text(json.dumps(safe_dcp.record_files(tmp, mine)))
 
     def seal() -> None:
+        lora.save_config(model, tmp)  # LoRA: the adapters' settings, listed and checksummed as every file
         _seal(tmp, final, step, samples, record, model_config, tokenizer, world)
         prune(root, keep)
 
@@ -376,10 +379,11 @@ def check_optimizer_steps(meta: Meta, optimizer: torch.optim.Optimizer, device: 
 def load(meta: Meta, model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """Collective: restore model, optimizer and this rank's RNG. Returns seconds."""
     started = time.perf_counter()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = state_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp_load(state, meta, "--resume")
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)
     # Not strict: a parameter without saved optimizer state (above) keeps none.
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
     check_optimizer_steps(meta, optimizer, next(model.parameters()).device)

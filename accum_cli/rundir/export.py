@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from accum_cli.errors import UserError
-from accum_cli.rundir import outdir, safe_dcp
+from accum_cli.model import lora
+from accum_cli.rundir import lora_export, outdir, safe_dcp
 from accum_cli.rundir.checkpoint import chmod_as_umask, dcp_load
 from accum_cli.rundir.checkpoint_meta import read_meta
 
@@ -67,7 +68,9 @@ def follow_umask(tree: Path) -> None:
 def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype: torch.dtype) -> None:
     """Gather the full weights (a collective) and let rank 0 write HF format atomically, in
     `dtype` (the fp32 master weights cast once, at the end)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    adapters = lora.adapted(model)  # final/ is then a peft adapter folder: the adapters alone are gathered
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters)
+    state = get_model_state_dict(model, options=options)
     if not is_main:
         return
     # Gathered shards are separate tensors even where the model ties them, so save_pretrained
@@ -82,8 +85,12 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
     try:
         outdir.mark(tmp, "final model")
         with outdir.safetensors_writes():
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        stamp_dtype(tmp, dtype)
+            if adapters:  # fp32 whatever the export dtype: they are small, and peft computes them in fp32
+                lora.save_adapter(model, state, tmp)
+            else:
+                model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if not adapters:
+            stamp_dtype(tmp, dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         follow_umask(tmp)
@@ -95,7 +102,14 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, is_main: bool, dtype:
         raise
 
 
-def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, export_dtype: str = "auto") -> Path:
+def export(
+    checkpoint: Path,
+    out_dir: Path,
+    trust_remote_code: bool = False,
+    export_dtype: str = "auto",
+    base: str | None = None,
+    merge: bool = False,
+) -> Path:
     """Consolidate a sharded checkpoint into Hugging Face format, in one process, no GPU, in
     `export_dtype` (auto: the dtype the model's config declares)."""
     meta = read_meta(checkpoint, flag="checkpoint")
@@ -104,14 +118,12 @@ def export(checkpoint: Path, out_dir: Path, trust_remote_code: bool = False, exp
     # transformers reads a folder's config and tokenizer files by name, listed or not (a planted
     # chat_template.jinja would be exported): it reads a private copy of the listed, verified ones.
     with tempfile.TemporaryDirectory(prefix="accum-export-") as listed:
-        _export(meta, Path(listed), out_dir, trust_remote_code, export_dtype)
+        _export(meta, Path(listed), out_dir, trust_remote_code, export_dtype, base, merge)
     return out_dir
 
 
-def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_dtype: str) -> None:
+def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_dtype: str, base, merge) -> None:
     """export's work, the config and tokenizer read from `listed`: copies of the files meta.json lists."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     try:  # config and tokenizer files are read by transformers: verified, then verified as copied
         for name in meta.files:
             if not name.endswith(".distcp") and name != ".metadata":
@@ -122,6 +134,28 @@ def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_d
         raise safe_dcp.as_user_error(exc, meta.path, "checkpoint") from None
     except OSError as exc:  # the temporary folder's disk
         raise UserError(f"export: cannot copy the checkpoint's files to read them ({exc.strerror or exc})") from None
+    if lora_export.is_lora(meta):
+        model, adapters, config = lora_export.prepare(meta, listed, base, trust_remote_code)
+        if merge:
+            dtype = resolve_export_dtype(export_dtype, config)
+            write = _saver(lora.merged(model).to(dtype), dtype)
+        else:  # a peft adapter folder, as a run's final/ (fp32)
+
+            def write(folder: Path) -> None:
+                lora.save_adapter(model, adapters, folder)
+    else:
+        if merge or base is not None:
+            raise UserError(
+                f"checkpoint {meta.path} holds a whole model, not LoRA adapters: leave --merge and --base out"
+            )
+        write = _full_model(meta, listed, trust_remote_code, export_dtype)
+    _write(write, listed, out_dir, trust_remote_code)
+
+
+def _full_model(meta, listed: Path, trust_remote_code: bool, export_dtype: str):
+    """A whole model's checkpoint loaded: what writes it into a folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     try:  # an unknown or non-causal model type, or code the checkpoint's config asks to run
         config = AutoConfig.from_pretrained(listed, trust_remote_code=trust_remote_code)
         dtype = resolve_export_dtype(export_dtype, config)  # before from_config records fp32 in it
@@ -135,7 +169,21 @@ def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_d
     state = {"model": model.state_dict()}
     dcp_load(state, meta, "checkpoint", no_dist=True)
     model.load_state_dict(state["model"])
-    model.to(dtype)
+    return _saver(model.to(dtype), dtype)
+
+
+def _saver(model, dtype: torch.dtype):
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        stamp_dtype(folder, dtype)
+
+    return write
+
+
+def _write(write, listed: Path, out_dir: Path, trust_remote_code: bool) -> None:
+    """The export written beside out_dir, then renamed into place."""
+    from transformers import AutoTokenizer
+
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     if outdir.someone_elses(tmp):
         raise UserError(f"export: {tmp} exists and is not accum-train's; move it away or pick another target")
@@ -147,8 +195,7 @@ def _export(meta, listed: Path, out_dir: Path, trust_remote_code: bool, export_d
         created = True
         outdir.mark(tmp, "export")
         with outdir.safetensors_writes():
-            model.save_pretrained(tmp, safe_serialization=True)
-        stamp_dtype(tmp, dtype)
+            write(tmp)
         with contextlib.suppress(OSError, ValueError, TypeError):  # a model trained without a tokenizer
             # Never the code a checkpoint may ship, nor transformers' question whether to run it.
             AutoTokenizer.from_pretrained(listed, trust_remote_code=trust_remote_code).save_pretrained(tmp)
