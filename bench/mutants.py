@@ -973,6 +973,8 @@ MUTANTS = [
     Mutant('verify: the one-process reference takes the whole batch whatever the estimate says', 'accum_cli/memory/fit.py',
            '        if whole.peak <= budget.bytes:  # the common case: one estimate', '        if True:',
            ('tests/test_verify.py', '-k', 'few_forwards')),
+    Mutant('lora: the advice to export a LoRA checkpoint leaves out its base', 'accum_cli/run/setup.py',
+           '{final}{export_base(cfg, source)}`', '{final}`', ('tests/test_lora.py', '-k', 'advice')),
     Mutant('verify: --json prints the table', 'accum_cli/run/verify.py',
            '            print(report.as_json(), flush=True)', '            print_report(report)', ('tests/test_verify.py', '-k', 'json')),
     Mutant('verify: dropout left on', 'accum_cli/run/verify.py',

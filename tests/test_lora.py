@@ -218,6 +218,28 @@ def test_lora_resume_is_exact_and_elastic_and_refuses_another_base(workdir, unin
     assert worst < TOL
 
 
+def test_the_advice_to_export_a_lora_checkpoint_names_its_base_and_works(workdir, uninterrupted, tmp_path):
+    """final/ older than the last checkpoint (killed between the two writes): the refusal's accum-export line
+    carries --base (a LoRA checkpoint holds the adapters only), and that line, run as written, exports."""
+    import shutil
+    import subprocess
+
+    from helpers import BIN
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    (out / "checkpoints" / "step-000003" / "meta.json").touch()
+    refused = run_cli(lora_args(workdir, out, 3, 3, "--sync", "last", "--layout", "shard", "--resume", "auto"))
+    assert refused.returncode == 2 and "final/ was not written after it" in refused.stderr, refused.stderr
+    advice = refused.stderr.split("`")[1]
+    assert f" --base {workdir / 'llama'}" in advice, advice
+    done = subprocess.run(
+        advice.replace("accum-export", str(BIN / "accum-export")), shell=True, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
 def test_lora_export_writes_adapters_and_the_merged_model(workdir, uninterrupted, tmp_path):
     """accum-export: the adapters (loaded by peft on the base: final/'s logits), and --merge: a model
     AutoModelForCausalLM loads with the adapted model's logits; another base, or none, refused in one line."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ def save_final_model(s: Setup, model, last_checkpoint: Path, dtype: torch.dtype)
         raise checkpoint.SaveFailed(
             f"the final model could not be written to {s.output_dir / 'final'}: {why}; the checkpoint "
             f"{last_checkpoint} holds the trained state: {'free space' if full else 'fix that'}, then "
-            f"accum-export {last_checkpoint} OUT"
+            f"accum-export {last_checkpoint} OUT" + (f" --base {shlex.quote(s.source.location)}" if s.lora else "")
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,7 +241,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
             aside = f"mv {final} {out / 'final.old'} && " if final.exists() else ""
             raise UserError(
                 f"--resume {meta.path} is the run's last step ({total_steps}) but final/ was not written after it; "
-                f"write it with `{aside}accum-export {meta.path} {final}`, or raise --max-steps to train on"
+                f"write it with `{aside}accum-export {meta.path} {final}{export_base(cfg, source)}`, or raise --max-steps "
+                "to train on"
             )
         raise UserError(
             f"--resume {meta.path} is at step {meta.step}, already past --max-steps {total_steps}; raise --max-steps"
@@ -272,6 +274,11 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
 def _position(meta: checkpoint_meta.Meta | None) -> tuple[int, int]:
     """(steps done, samples consumed) where this run's first step begins."""
     return (0, 0) if meta is None else (meta.step, meta.samples)
+
+
+def export_base(cfg: TrainConfig, source: modeling.ModelSource) -> str:
+    """What `accum-export` of this run's checkpoint needs besides it: a LoRA checkpoint holds the adapters only."""
+    return f" --base {shlex.quote(source.location)}" if cfg.lora_r is not None else ""
 
 
 def hold_output_dir(cfg: TrainConfig, out: Path, rt: runtime.Runtime, resuming: bool) -> outdir.RunLock | None:
