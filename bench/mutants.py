@@ -793,7 +793,7 @@ MUTANTS = [
            "    if not settings.compile:", ("tests/test_kernels.py", "-k", "only_on")),
     Mutant("estimate: the simulated world left undeclared", "accum_cli/memory/measure.py",
            "            with runtime.simulated(queries[i].device_type):", "            with contextlib.nullcontext():",
-           ("tests/test_estimate.py", "-k", "matches_real_ranks or untied")),
+           ("tests/test_estimate.py", "tests/test_estimate_real.py", "-k", "matches_real_ranks or untied")),
     Mutant("layers: a torch symbol moved without a word", "accum_cli/torch_compat.py",
            "raise MovedError(f\"{path}: not found in this torch ({exc})\") from None", "return None",
            ("tests/test_torch_compat.py",)),

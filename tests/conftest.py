@@ -21,14 +21,14 @@ def no_process_group_leaks():
         dist.destroy_process_group()
 
 
-# `make test` hands whole files to two workers in collection order (xdist's loadfile): a long file
+# `make test` hands whole files to its workers in collection order (xdist's loadfile): a long file
 # handed out last runs alone at the end. These take longest (minutes each, measured 6 Dec 2026), so
 # they go first; every other file keeps its place after them, and the tests of a file keep their order.
 LONGEST_FIRST = (
-    "test_launchers.py", "test_estimate.py", "test_checkpoint.py", "test_equivalence.py", "test_bad_input.py",
-    "test_trust.py", "test_architectures.py", "test_data.py", "test_isolate.py", "test_see_the_run.py",
-    "test_reruns.py", "test_readme.py", "test_verify.py", "test_hostmem.py", "test_samples.py",
-    "test_report_picture.py",
+    "test_estimate_real.py", "test_launchers.py", "test_estimate.py", "test_lora.py", "test_checkpoint.py",
+    "test_equivalence.py", "test_bad_input.py", "test_trust.py", "test_architectures.py", "test_data.py",
+    "test_isolate.py", "test_see_the_run.py", "test_reruns.py", "test_readme.py", "test_verify.py", "test_hostmem.py",
+    "test_samples.py", "test_report_picture.py",
 )  # fmt: skip
 
 
