@@ -182,7 +182,7 @@ CASES = [
     (["--resume", "{ckpt}"], "was saved from a different model"),
     # --resume auto keeps every check of --resume: the run's folder holds the tiny model's checkpoint
     (["--output-dir", "{trained}", "--resume", "auto"], "was saved from a different model"),
-    (["--recipe", "{unknown-key.yaml}"], "unknown key 'micro_bach'"),
+    (["--recipe", "{unknown-key.yaml}"], "unknown key 'micro_bach'; did you mean micro_batch?"),
     (["--recipe", "{wrong-type.yaml}"], "key 'global_batch' must be int, got str 'lots'"),
     (["--recipe", "{bad.yaml}"], "is not valid YAML"),
     (["--recipe", "{evil.yaml}"], "the tag !!python/object/apply:os.system (line 2) is not allowed; a recipe holds"),

@@ -11,6 +11,7 @@ no new dependency, the one-line messages stay ours (`--lr must be a positive num
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -331,7 +332,12 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     for key, value in raw.items():
         name = str(key).replace("-", "_") if isinstance(key, str) else None
         if name not in FIELDS:
-            raise UserError(f"recipe {path}: unknown key {recipe.quote(key)}; known keys: {', '.join(FIELD_NAMES)}")
+            close = difflib.get_close_matches(name or "", FIELD_NAMES, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UserError(
+                f"recipe {path}: unknown key {recipe.quote(key)}; {hint}a key is a long flag's name with _ for - "
+                "(accum-train --help lists them)"
+            )
         if name in overrides:  # global-batch and global_batch: which one was meant?
             raise UserError(f"recipe {path}: key {recipe.quote(key)} sets {name} a second time; keep one of them")
         overrides[name] = _checked(name, value, f"recipe {path}: key {key!r}")
