@@ -21,11 +21,11 @@ $(STAMP): pyproject.toml
 run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
-# Three workers on two cores, a test file each at a time (its module fixtures built once): with two,
-# the cores were busy 131% of 200% (6 Dec 2026, 15:20 for 928 tests): many tests wait on processes
-# (signals, launchers' grace periods), and a third file fills those waits.
+# Four workers on two cores, a test file each at a time (its module fixtures built once): many tests wait on
+# processes (signals, launchers' grace periods) and more files fill those waits. 6 Dec 2026, fresh clones:
+# -n 3 took 17:20 for 1029 tests with the cores 119% busy; -n 4 took 14:26 for 1003 (before LoRA's 26).
 test: setup
-	$(BIN)/pytest -q -n 3 --dist loadfile --durations=20
+	$(BIN)/pytest -q -n 4 --dist loadfile --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"
