@@ -23,7 +23,7 @@ run: setup
 
 # Four workers on two cores, a test file each at a time (its module fixtures built once): many tests wait on
 # processes (signals, launchers' grace periods) and more files fill those waits. 6 Dec 2026, fresh clones:
-# -n 3 took 17:20 for 1029 tests with the cores 119% busy; -n 4 took 14:26 for 1003 (before LoRA's 26).
+# -n 3 took 17:20 for 1029 tests with the cores 119% busy; -n 4 15:16 for 1030 (127%).
 test: setup
 	$(BIN)/pytest -q -n 4 --dist loadfile --durations=20
 
