@@ -340,7 +340,7 @@ def test_verify_checks_a_lora_run_against_its_own_reference(workdir, tmp_path):
             str(tmp_path / "run"), "--micro-batch", "5", "--layout", "shard", "--verify-steps", "2",
             *[a for a in COMMON if a != "--verbose"]]  # fmt: skip
     result = ok(run_cli(args))
-    assert "one process" in result.stdout
+    assert "the plain Hugging Face model with the same LoRA adapters (peft)" in result.stdout, result.stdout
     assert "verdict           PASS" in result.stdout, result.stdout
     assert "lora_B" in result.stdout  # the parameters compared are the adapters
 

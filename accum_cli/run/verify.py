@@ -227,7 +227,8 @@ def choose_reference(s: Setup, cfg: TrainConfig) -> tuple[str, int, Plan | None,
 def one_process_text(s: Setup, split: str) -> str:
     why = "one rank" if s.rt.world_size == 1 else "the replicated layout: the run's state fits one process"
     return (
-        f"one process (rank 0; {why}): the plain Hugging Face model from the same initial weights, {split}, each "
+        f"one process (rank 0; {why}): the plain Hugging Face model{' with the same LoRA adapters (peft)' if s.lora else ''} "
+        f"from the same initial weights, {split}, each "
         "forward's summed token loss divided by the step's loss-token count, AdamW and the run's schedule"
         + (", under bf16 autocast over fp32 weights" if s.settings.bf16 else "")
     )
