@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from helpers import probe_logits, read_metrics, rel_err, run_cli, save_tiny_model, write_ragged_tokens
+from test_equivalence import pad
 
 from accum_cli.data.batches import SampleOrder
 
@@ -60,17 +61,6 @@ def workdir(tmp_path_factory) -> Path:
     save_tiny_model(root / "other-llama", seed=2)  # the same architecture, other weights
     write_ragged_tokens(root / "data.jsonl")
     return root
-
-
-def pad(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
-    return ids, mask, labels
 
 
 def base_model(folder: Path):
