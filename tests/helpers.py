@@ -249,6 +249,12 @@ def run_cli(
     return subprocess.run(cmd, cwd=REPO, env=env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout)
 
 
+def message_lines(stderr: str) -> list[str]:
+    """stderr's lines without blanks and without the tokenising progress bar, which a preparation shows
+    once it has taken over 2 s (data/prepare.py PROGRESS_AFTER_S): on a loaded machine, a test's tiny one."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("tokenising:")]
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 

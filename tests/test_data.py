@@ -18,6 +18,7 @@ from helpers import (
     REPO,
     env,
     free_port,
+    message_lines,
     read_metrics,
     rel_err,
     run_cli,
@@ -417,7 +418,7 @@ def test_a_changed_byte_in_the_cache_stops_the_run_before_it_reaches_the_model(m
     tokens.write_bytes(bytes([tokens.read_bytes()[0] ^ 1]) + tokens.read_bytes()[1:])
     result = run_cli(args, env_extra={"ACCUM_TRAIN_CACHE": str(cache)})
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [
+    assert message_lines(result.stderr) == [
         f"accum-train: error: the prepared data in {tokens.parent} is damaged (tokens.bin bytes 0+ changed since they were "
         "written); delete that folder to prepare it again"
     ]
@@ -712,7 +713,7 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(model, tmp_p
     result = subprocess.run(cmd, cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(cache)), capture_output=True, text=True,
                             timeout=300, preexec_fn=limit_file_size)  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines() == [
+    assert message_lines(result.stderr) == [
         f"accum-train: error: the data cache {cache} has no room for the prepared data (File too large); "
         "free space there or set ACCUM_TRAIN_CACHE to a folder on another disk"
     ]

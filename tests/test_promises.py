@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli, save_tiny_model, write_ragged_tokens
+from helpers import message_lines, run_cli, save_tiny_model, write_ragged_tokens
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -27,7 +27,7 @@ def test_strict_batch_refuses_a_real_run(tmp_path):
     result = run_cli(["--model", str(model), "--dataset", str(data), "--global-batch", "5", "--micro-batch", "2",
                       "--max-steps", "1", "--strict-batch", "--output-dir", str(out)])  # fmt: skip
     assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = message_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("accum-train: error: --strict-batch: global batch 5"), lines
     assert not out.exists()
 

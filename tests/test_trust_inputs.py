@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, python, save_tiny_model
+from helpers import REPO, env, message_lines, python, save_tiny_model
 from typer.testing import CliRunner
 
 from accum_cli.cli.main import app
@@ -154,6 +154,6 @@ def test_a_replicated_micro_batch_auto_refusal_is_one_line_without_torchs_warnin
                           cwd=REPO, env=env(ACCUM_TRAIN_CACHE=str(tmp_path / "cache")), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
+    lines = message_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith("accum-train: error: one sequence of 128 tokens"), lines
     assert not out.exists()

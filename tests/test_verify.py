@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import REPO, free_port, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import REPO, free_port, message_lines, run_cli, save_tiny_model, write_ragged_tokens
 
 G = 13  # ragged at every world size and micro batch used here
 COMMON = ["--global-batch", str(G), "--max-steps", "3", "--lr", "1e-3", "--warmup-steps", "0", "--seed", "5",
@@ -222,5 +222,5 @@ def test_the_classic_normalisation_bug_in_the_real_ranks_fails_on_the_gradient_n
 def test_bad_input_is_one_line_exit_2(workdir, tmp_path, flags, message):
     result = verify(workdir, tmp_path / "out", *flags)
     assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = message_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("accum-train: error: ") and message in lines[0], result.stderr
