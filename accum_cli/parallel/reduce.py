@@ -15,6 +15,13 @@ per parameter (1 where this rank had a gradient), summed with it: a parameter no
 gradient for gets none (`grad=None`, as in one process), not zeros, so the optimizer leaves it
 alone instead of moving it by its momentum and weight decay. At most two buckets are in flight:
 the extra memory is bounded by two buckets, not a second copy of all gradients.
+
+Why not torch's DDP (`no_sync()` but on the last microbatch, a summing comm hook): measured side by
+side (`make bench-replicate`, docs/BENCHMARKS.md, 6 Dec 2026), DDP keeps its buckets, a second copy
+of the gradients, for the life of the model: +338 MiB per rank at 116M parameters, for a step time
+within the spread of two CPU ranks. Layout by fit replicates only where the state fits a device, so
+that copy would shard models that replicate here. DDP would also need the fused loss moved inside
+its forward and `find_unused_parameters` for mixtures of experts.
 """
 
 from __future__ import annotations
