@@ -26,6 +26,9 @@ PRIVATE: dict[str, str] = {
     "FSDPRefType": "torch.distributed._tools.fsdp2_mem_tracker._FSDPRefType",
     "MemTracker": "torch.distributed._tools.mem_tracker.MemTracker",
     "MemRefType": "torch.distributed._tools.mem_tracker._MemRefType",
+    # What the estimate's trackers override to keep the step's peak alone (memory/measure.py).
+    "MemTracker_update_peak_stats": "torch.distributed._tools.mem_tracker.MemTracker._update_peak_stats",
+    "MEM_TRACKER_TOTAL_KEY": "torch.distributed._tools.mem_tracker._TOTAL_KEY",
     # FSDP2's interface for a reduce-scatter of one's own (set_custom_reduce_scatter takes one).
     "ReduceScatter": "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
     # oneDNN's linear, as inductor's CPU lowering calls it (cpu/linear.py).

@@ -1150,6 +1150,14 @@ MUTANTS = [
     Mutant("lora: the estimate gives the frozen base gradients", "accum_cli/memory/measure.py",
            "            if p.requires_grad:  # LoRA's frozen base has none\n                p.grad = torch.zeros_like(p)",
            "            p.grad = torch.zeros_like(p)", ("tests/test_lora.py", "-k", "matches_real")),
+    Mutant("estimate: the step's peak snapshot is the live one, not a copy", "accum_cli/memory/measure.py",
+           "                self._peak_mem_snap[device] = copy.deepcopy(snap)",
+           "                self._peak_mem_snap[device] = snap",
+           ("tests/test_estimate.py", "-k", "keeping_the_step_peak")),
+    Mutant("estimate: the step's peak never rises past the first", "accum_cli/memory/measure.py",
+           "            if self._peak_mem.get(device, 0) < snap[total]:",
+           "            if device not in self._peak_mem:",
+           ("tests/test_estimate.py", "-k", "keeping_the_step_peak")),
 ]  # fmt: skip
 
 

@@ -303,3 +303,30 @@ def test_auto_finds_the_largest_micro_batch_across_the_bf16_switch(monkeypatch, 
     m, _, _ = fit._auto_micro_batch(target, "every", cap, budget, run)
     fitting = [x for x in range(1, cap + 1) if peak(x) <= budget.bytes]
     assert m == max(fitting), (switch, fitting)
+
+
+STEP_PEAK_CHECK = """
+import json, sys
+from accum_cli.memory import measure
+from accum_cli.memory.query import Query
+from accum_cli.model.load import EMBEDDED_MODEL_DIR
+
+config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
+queries = [Query(config, 2, 1, 4, 128, "last", False, False, replicated=True),
+           Query(config, 2, 1, 2, 128, "last", False, False), Query(config, 2, 1, 3, 128, "every", False, False)]
+lean = measure.Measurer().measure(queries)
+measure.step_peak_tracker = lambda base: base  # torch's own trackers, every module's peak updated
+full = measure.Measurer().measure(queries)
+print(json.dumps([[e.peak, e.breakdown] for e in lean]), json.dumps([[e.peak, e.breakdown] for e in full]), sep="\\n")
+"""
+
+
+def test_keeping_the_step_peak_alone_changes_no_estimate(tmp_path):
+    """The estimate's trackers skip torch's per-module peaks (measure._StepPeakOnly): each peak and
+    breakdown, replicated and sharded (`last` and `every`), equals what torch's own trackers give. In a
+    child: the sharded queries need a fake process group, which would outlive them in this process."""
+    done = python(["-c", STEP_PEAK_CHECK], env=env(ACCUM_TRAIN_CACHE=str(tmp_path)), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lean, full = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert lean == full
+    assert all(peak == sum(breakdown.values()) > 0 for peak, breakdown in lean)
