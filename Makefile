@@ -21,11 +21,11 @@ $(STAMP): pyproject.toml
 run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
-# Four workers on two cores, a test file each at a time (its module fixtures built once): many tests wait on
-# processes (signals, launchers' grace periods) and more files fill those waits. 6 Dec 2026, fresh clones:
-# -n 3 took 17:20 for 1029 tests with the cores 119% busy; -n 4 15:16 for 1030 (127%).
+# Three workers on two cores, a test file each at a time (its module fixtures built once). The cores are
+# busy throughout (vmstat: 0.2% idle at -n 4), so a fourth worker only adds switching: the same fresh clone
+# (dc0dbb8, 1033 tests, quiet machine, 6 Dec 2026) took 14:10 at -n 3 and 15:10 at -n 4.
 test: setup
-	$(BIN)/pytest -q -n 4 --dist loadfile --durations=20
+	$(BIN)/pytest -q -n 3 --dist loadfile --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"
