@@ -151,7 +151,9 @@ def test_the_length_from_epochs_or_max_tokens_is_whole_steps_of_the_stages():
     cfg = build_config(None, {"batch_schedule": "0:5,2s:9", "max_tokens": "1K"})  # 1000 // 38 = 26 samples
     assert run_length(cfg, schedule, None, 38, 40, plan)[0] == 3
     with pytest.raises(UserError, match=r"--max-tokens 100 \(2 sequences of 38 tokens\) holds no whole step"):
-        run_length(build_config(None, {"batch_schedule": "0:5,2s:9", "max_tokens": "100"}), schedule, None, 38, 40, plan)
+        run_length(
+            build_config(None, {"batch_schedule": "0:5,2s:9", "max_tokens": "100"}), schedule, None, 38, 40, plan
+        )
     cfg = build_config(None, {"global_batch": 8, "max_tokens": "1K"})  # no schedule: whole steps of the batch
     assert run_length(cfg, None, None, 38, 40, Plan(8, 4, 1)) == (3, [])
 

@@ -118,8 +118,12 @@ def test_a_resume_with_another_schedule_is_refused_unless_allowed(root, runs, tm
     refused = run_cli(args(root, out, 4, "--resume", str(checkpoint), schedule="0:5,2s:10"))
     assert refused.returncode == 2, refused.stdout + refused.stderr
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "was trained with --batch-schedule 0s:5,2s:9, this run gives --batch-schedule " \
-        "0s:5,2s:10; resume with the same schedule, or pass --allow-data-change" in lines[0], refused.stderr
+    assert (
+        len(lines) == 1
+        and "was trained with --batch-schedule 0s:5,2s:9, this run gives --batch-schedule "
+        "0s:5,2s:10; resume with the same schedule, or pass --allow-data-change"
+        in lines[0]
+    ), refused.stderr
     assert not (out / "metrics.jsonl").exists()
     allowed = ok(run_cli(args(root, out, 4, "--resume", str(checkpoint), "--allow-data-change", schedule="0:5,2s:10")))
     assert "schedule changed --allow-data-change: 0s:5,2s:9 -> 0s:5,2s:10" in allowed.stdout

@@ -31,7 +31,8 @@ TOKENS, STEPS = "tokens", "steps"
 LR_NONE, LR_SQRT = "none", "sqrt"
 LR_CHOICES = (LR_NONE, LR_SQRT)
 MAX_TEXT, MAX_STAGES = 4096, 256
-MOST = 2**40  # sequences in one stage's batch: settings.MAX_GLOBAL_BATCH (tests/test_batch_schedule.py holds them equal)
+# Sequences in one stage's batch: settings.MAX_GLOBAL_BATCH (tests/test_batch_schedule.py holds them equal).
+MOST = 2**40
 _ENTRY = re.compile(r"([^:\s]+):([^:\s]+)")
 _STEPS = re.compile(r"([0-9]{1,15})\s*s", re.I)
 _SEQUENCES = re.compile(r"[0-9]{1,15}")
@@ -118,7 +119,7 @@ def parse(text: Any, seq_len: int | None, most: int) -> Schedule:
     """The schedule a flag or recipe gives, or one line saying what is wrong with it."""
     raw = str(text).strip()
     if not raw.strip(", \t\n"):
-        raise UserError(f"{FLAG} is empty; give stages THRESHOLD:BATCH, e.g. {FLAG} \"0:256,2B:512\"")
+        raise UserError(f'{FLAG} is empty; give stages THRESHOLD:BATCH, e.g. {FLAG} "0:256,2B:512"')
     if len(raw) > MAX_TEXT:
         raise UserError(f"{FLAG} is longer than {MAX_TEXT} characters; give fewer stages")
     entries = [e for e in re.split(r"[,\s]+", raw) if e]
@@ -158,7 +159,9 @@ def _threshold(text: str) -> tuple[str, int]:
     try:
         value = batch_tokens.parse_tokens(text) if text.strip("0") else 0
     except UserError:
-        raise UserError(f"{FLAG}: threshold {text!r:.40} is neither tokens (2B, 500M, 1000000) nor steps (500s)") from None
+        raise UserError(
+            f"{FLAG}: threshold {text!r:.40} is neither tokens (2B, 500M, 1000000) nor steps (500s)"
+        ) from None
     return ("" if value == 0 else TOKENS), value
 
 

@@ -27,7 +27,8 @@ class Query:
     accum_steps: int = 2  # microbatches per step in the estimate (>= 2: the policies differ from the second on)
     replicated: bool = False  # the whole model on every rank (layout.py), not sharded
     device_type: str = "cpu"  # the run's ("cuda", "cpu"): the fused loss's bf16 path differs (fused_loss.py)
-    lora: dict | None = None  # LoRA's settings (model/lora.py `spec`): frozen base, gradients and AdamW for adapters only
+    # LoRA's settings (model/lora.py `spec`): frozen base, gradients and AdamW for the adapters only.
+    lora: dict | None = None
 
     def key(self) -> str:
         import torch

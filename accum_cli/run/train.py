@@ -52,10 +52,14 @@ def run(cfg: TrainConfig, resume: str | None = None, prepare_only: bool = False)
             if s.rt.is_main:
                 packed = s.stats is None or s.stats.packed
                 if cfg.verbose or prepare_only:  # preparing only: the data's every detail is the report
-                    print_lines(s.plan.describe(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)")
+                    print_lines(
+                        s.plan.describe(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)"
+                    )
                     print_lines(describe_run(s, cfg, resume, lr_given), "run")
                 else:
-                    print_lines(s.plan.summary(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)")
+                    print_lines(
+                        s.plan.summary(s.seq_len, packed), "plan" if s.schedule is None else "plan (the largest stage)"
+                    )
                     print_lines(summarize_run(s, cfg, resume, lr_given), "run")
                 if s.schedule is not None:
                     lines = describe_stages(s.schedule, s.segments, s.plan, s.seq_len, cfg.batch_schedule_lr)
@@ -145,8 +149,11 @@ def train(s: Setup, cfg: TrainConfig) -> dict:
             if now.global_batch != record["global_batch"]:  # a new stage: the checkpoint's origin moves to it
                 record.update(origin_step=step, origin_samples=samples, global_batch=now.global_batch)
                 if rt.is_main:
-                    print(f"stage: from step {step + 1} ({samples * s.seq_len:,} tokens trained) the global batch is "
-                          f"{now.global_batch} sequences: {now.summary(s.seq_len)[1].split(maxsplit=1)[1]}", flush=True)
+                    print(
+                        f"stage: from step {step + 1} ({samples * s.seq_len:,} tokens trained) the global batch is "
+                        f"{now.global_batch} sequences: {now.summary(s.seq_len)[1].split(maxsplit=1)[1]}",
+                        flush=True,
+                    )
             microbatches = read_step(step, samples, now)
             next_first = samples + now.global_batch
             # A stream's end is seen one step ahead (alike on every rank), so that step is the last for

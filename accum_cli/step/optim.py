@@ -50,7 +50,9 @@ def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: in
     warmup = cfg.warmup_for(total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, total_steps, warmup, cfg.lr_schedule, cfg.min_lr_ratio)
-        * (1.0 if scale is None else scale(step)),
+        lambda step: (
+            lr_factor(step, total_steps, warmup, cfg.lr_schedule, cfg.min_lr_ratio)
+            * (1.0 if scale is None else scale(step))
+        ),
         last_epoch=done_steps - 1,
     )
