@@ -18,6 +18,7 @@ from accum_cli.model import lora
 from accum_cli.parallel import runtime
 from accum_cli.parallel.sharding import ShardSettings
 from accum_cli.run.data_setup import epoch_steps
+from accum_cli.rundir import checkpoint_meta
 from accum_cli.rundir.metrics import print_lines
 
 EMBEDDED_SEQ_LEN = 128
@@ -284,7 +285,7 @@ def run_length(
         max_samples = int(cfg.epochs * n_samples)
     if schedule is None:
         return cfg.max_steps or epoch_steps(max_samples, plan.global_batch, meta), []
-    step, samples = (0, 0) if meta is None else (meta.step, meta.samples)
+    step, samples = checkpoint_meta.position(meta)
     segments = schedule.segments(seq_len, step, samples, cfg.max_steps, max_samples)
     if segments:
         return segments[-1].first_step + segments[-1].steps, segments

@@ -100,10 +100,11 @@ def preflight(cfg: TrainConfig, world_size: int | None, resume: str | None = Non
     sources.check_exists(cfg.eval_dataset, "--eval-dataset")
     if cfg.sample_prompts is not None:  # the chat template is checked once the tokenizer is loaded (setup)
         prompts.read(cfg.sample_prompts)
-    shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
     if cfg.lora_r is not None:
         lora.check(cfg)
         shapes = lora.parameter_shapes(model_config, cfg, cfg.trust_remote_code)
+    else:
+        shapes = modeling.parameter_shapes(model_config, cfg.trust_remote_code)
     if meta is not None and meta.fingerprint != model_fingerprint(cfg, source, shapes):
         adapters = ", other LoRA settings or LoRA on other base weights" if cfg.lora_r is not None else ""
         raise UserError(
@@ -191,7 +192,7 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         if eval_dataset is not None:
             eval_dataset = packing.DocumentMasked(eval_dataset, tokenizer.eos_token_id)
     schedule = schedules.of_config(cfg)
-    first_batch = cfg.global_batch if schedule is None else schedule.batch_at(*_position(meta), seq_len)
+    first_batch = cfg.global_batch if schedule is None else schedule.batch_at(*checkpoint_meta.position(meta), seq_len)
     if cfg.streaming:
         try:
             replayed = check_stream(dataset, meta, first_batch, seq_len)
@@ -269,11 +270,6 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
         lock, stream.describe(streamed) if cfg.streaming else "", replayed, sample_prompts, schedule, tuple(segments),
         lora.describe(shapes, cfg) if cfg.lora_r is not None else "",
     )  # fmt: skip
-
-
-def _position(meta: checkpoint_meta.Meta | None) -> tuple[int, int]:
-    """(steps done, samples consumed) where this run's first step begins."""
-    return (0, 0) if meta is None else (meta.step, meta.samples)
 
 
 def export_base(cfg: TrainConfig, source: modeling.ModelSource) -> str:

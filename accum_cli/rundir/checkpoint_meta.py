@@ -39,6 +39,11 @@ class Meta:
     batch_schedule: str = ""  # --batch-schedule as config/batch_schedule.py writes it ("": none)
 
 
+def position(meta: Meta | None) -> tuple[int, int]:
+    """(steps done, samples consumed) where a run resumed from `meta` (None: a fresh run) takes its first step."""
+    return (0, 0) if meta is None else (meta.step, meta.samples)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / CHECKPOINTS / f"step-{step:06d}"
 
