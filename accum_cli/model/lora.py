@@ -124,11 +124,16 @@ def merged(model: nn.Module) -> nn.Module:
 def parameter_shapes(config, cfg, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
     """The adapted model's parameter names and shapes (meta device): the checkpoint's fingerprint, so
     that a resume with another rank or other target modules is refused as another model is."""
+    return adapted_shapes(config, peft_config(cfg), trust_remote_code)
+
+
+def adapted_shapes(config, lora_config, trust_remote_code: bool) -> dict[str, tuple[int, ...]]:
+    """parameter_shapes for peft's LoraConfig `lora_config` (a checkpoint's adapter_config.json): no weights read."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    apply(model, cfg)
+    inject(model, copy.deepcopy(lora_config), seed=0)  # peft may resolve the config's target modules in place
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

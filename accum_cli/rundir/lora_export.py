@@ -31,14 +31,15 @@ def prepare(meta, listed: Path, base: str | None, trust_remote_code: bool):
         )
     source = modeling.resolve_source(base)
     config = modeling.load_config(source, trust_remote_code)
-    model = modeling.load_model(source, config, trust_remote_code, seed=0)
-    lora.inject(model, peft.LoraConfig.from_pretrained(str(listed)), seed=0)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    lora_config = peft.LoraConfig.from_pretrained(str(listed))
+    # Checked on the meta device, before the base's weights are read in full.
+    shapes = lora.adapted_shapes(config, lora_config, trust_remote_code)
     if lora.fingerprint(checkpoint_meta.fingerprint(shapes), lora.base_identity(source)) != meta.fingerprint:
         raise UserError(
             f"checkpoint {meta.path} holds LoRA adapters trained on another base model than --base {base}; pass "
             "the --model it was trained with"
         )
+    model = lora.inject(modeling.load_model(source, config, trust_remote_code, seed=0), lora_config, seed=0)
     state = {"model": {name: p.detach() for name, p in model.named_parameters() if lora.is_adapter(name)}}
     dcp_load(state, meta, "checkpoint", no_dist=True)
     model.load_state_dict(state["model"], strict=False)
