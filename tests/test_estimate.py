@@ -313,7 +313,8 @@ from accum_cli.model.load import EMBEDDED_MODEL_DIR
 
 config = json.loads((EMBEDDED_MODEL_DIR / "config.json").read_text())
 queries = [Query(config, 2, 1, 4, 128, "last", False, False, replicated=True),
-           Query(config, 2, 1, 2, 128, "last", False, False), Query(config, 2, 1, 3, 128, "every", False, False)]
+           Query(config, 2, 1, 2, 128, "last", False, False), Query(config, 2, 1, 3, 128, "every", False, False),
+           Query(config, 2, 1, 2, 128, "last", True, False), Query(config, 2, 1, 2, 128, "last", True, False, replicated=True)]
 lean = measure.Measurer().measure(queries)
 measure.step_peak_tracker = lambda base: base  # torch's own trackers, every module's peak updated
 full = measure.Measurer().measure(queries)
@@ -323,7 +324,7 @@ print(json.dumps([[e.peak, e.breakdown] for e in lean]), json.dumps([[e.peak, e.
 
 def test_keeping_the_step_peak_alone_changes_no_estimate(tmp_path):
     """The estimate's trackers skip torch's per-module peaks (measure._StepPeakOnly): each peak and
-    breakdown, replicated and sharded (`last` and `every`), equals what torch's own trackers give. In a
+    breakdown, replicated and sharded (`last` and `every`), fp32 and bf16, equals what torch's own trackers give. In a
     child: the sharded queries need a fake process group, which would outlive them in this process."""
     done = python(["-c", STEP_PEAK_CHECK], env=env(ACCUM_TRAIN_CACHE=str(tmp_path)), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
