@@ -244,6 +244,12 @@ MUTANTS = [
     Mutant("prepare: the cache ignores the options", "accum_cli/data/cache.py",
            "parts = [PREP_VERSION, fingerprint, fmt, asdict(options),",
            "parts = [PREP_VERSION, fingerprint, fmt, None,", (PROMISES, "-k", "cache")),
+    Mutant("gloo: every rank keeps the first rank's shard of the summed gradients", "accum_cli/cpu/gloo.py",
+           "output_tensor.copy_(shards[dist.get_rank(group)])", "output_tensor.copy_(shards[0])",
+           (LOSS, "-k", "reduce_scatter")),
+    Mutant("prepare: a publisher that loses the race to the same key fails", "accum_cli/data/cache.py",
+           "if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):",
+           "if True:", ("tests/test_data.py", "-k", "concurrent_publisher")),
     # --- stream: --streaming ----------------------------------------------------------------------
     Mutant("stream: every rank reads rank 0's slice", "accum_cli/data/stream.py",
            "plan.microbatch_range(step, rank, j", "plan.microbatch_range(step, 0, j", (STREAM, "-k", "whatever_w")),

@@ -18,6 +18,7 @@ from helpers import (
     REPO,
     env,
     free_port,
+    launch,
     message_lines,
     read_metrics,
     rel_err,
@@ -486,45 +487,43 @@ def test_worker_processes_give_the_same_files_as_one_process(model, tmp_path, mo
     assert built[1] == built[2]
 
 
+PUBLISH_RACE = """
+import hashlib, json, os, sys, time
+from pathlib import Path
+
+import datasets
+import numpy as np
+from transformers import AutoTokenizer
+
+from accum_cli.data import formats, prepare
+
+model_dir, texts, gate = sys.argv[1:4]
+raw = datasets.Dataset.from_dict({"text": json.loads(Path(texts).read_text())})
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+Path(gate, os.environ["RANK"]).touch()
+while len(os.listdir(gate)) < int(os.environ["WORLD_SIZE"]):  # all set: they start preparing together
+    time.sleep(0.001)
+data, _, tokenised = prepare.prepare(raw, tokenizer, formats.Options(64, vocab_size=384), True, True, lambda: None, 1)
+print(json.dumps([hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised]), flush=True)
+"""
+
+
 def test_a_concurrent_publisher_of_the_same_key_wins_or_loses_cleanly(model, tmp_path):
     """Four processes prepare the same data into one cache at the same moment: all succeed with
-    the same data, one copy is published, and no temporary folder is left behind."""
-    import multiprocessing
-
-    cache = tmp_path / "cache"
-    context = multiprocessing.get_context("spawn")
-    start, results = context.Barrier(4), context.Queue()
-    workers = [context.Process(target=_prepare_in_a_process, args=(str(model), str(cache), start, results))
-               for _ in range(4)]  # fmt: skip
-    for worker in workers:
-        worker.start()
-    outcomes = [results.get(timeout=120) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=30)
-    assert all(isinstance(o, tuple) for o in outcomes), outcomes
+    the same data, one copy is published, and no temporary folder is left behind. (Four real
+    processes forked from the suite's warm parent: each prepares as the only one it knows of.)"""
+    cache, texts, gate = tmp_path / "cache", tmp_path / "texts.json", tmp_path / "gate"
+    texts.write_text(json.dumps([sentence(i, 50) for i in range(400)]))
+    gate.mkdir()
+    done = launch(PUBLISH_RACE, [str(model), str(texts), str(gate)], ranks=4, kind="code", timeout=120,
+                  environment=env(ACCUM_TRAIN_CACHE=str(cache)))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(outcomes) == 4, done.stdout
     assert len({digest for digest, _ in outcomes}) == 1
     assert sum(tokenised for _, tokenised in outcomes) >= 1
     (published,) = cache_entries(cache)
     assert not published.name.startswith(".") and (published / "meta.json").is_file()
-
-
-def _prepare_in_a_process(model_dir: str, cache: str, start, results) -> None:
-    import hashlib
-    import os
-
-    import datasets
-    from transformers import AutoTokenizer
-
-    os.environ["ACCUM_TRAIN_CACHE"] = cache
-    raw = datasets.Dataset.from_dict({"text": [sentence(i, 50) for i in range(400)]})
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    start.wait()
-    try:
-        data, _, tokenised = prepare.prepare(raw, tokenizer, formats.Options(64, vocab_size=384), True, True,
-                                             lambda: None, 1)  # fmt: skip
-        results.put((hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised))
-    except Exception as exc:  # reported to the test, which fails on it
-        results.put(repr(exc))
 
 
 def test_publishing_onto_a_published_copy_keeps_the_first(tmp_path):

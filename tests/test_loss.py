@@ -4,12 +4,13 @@ with the bytes it holds measured by PyTorch's MemTracker."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, save_tiny_model
+from helpers import REPO, launch, save_tiny_model
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from accum_cli.data.store import IGNORE_INDEX
@@ -148,11 +149,14 @@ def test_a_microbatch_frees_its_logits_before_the_output_projections_backward(tm
     assert head.weight.grad is not None
 
 
-def _reduce_scatter_ranks(rank: int, world: int, port: int, results) -> None:
+def reduce_scatter_on_this_rank() -> tuple[bool, int, int, int]:
+    """On a rank of a gloo world (torchrun's environment): whether our reduce-scatter sums as gloo's own does,
+    the peak bytes each of the two holds, and the staging buffer's bytes."""
     from accum_cli.cpu.gloo import InPlaceReduceScatter
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
+        world, rank = dist.get_world_size(), dist.get_rank()
         g = torch.Generator().manual_seed(rank)
         grads = torch.randn(world * 2**18, generator=g)  # 1 MiB per rank
         want = torch.empty(2**18)
@@ -172,16 +176,25 @@ def _reduce_scatter_ranks(rank: int, world: int, port: int, results) -> None:
         theirs_peak = peak_bytes(gloos_own, staging, got)
         staging.copy_(staging_copy)
         ours_peak = peak_bytes(ours, staging, got)
-        results[rank] = (torch.equal(got, want), ours_peak, theirs_peak, staging.numel() * 4)
+        return torch.equal(got, want), ours_peak, theirs_peak, staging.numel() * 4
     finally:
         dist.destroy_process_group()
+
+
+REDUCE_SCATTER_RANK = """
+import json, os
+from test_loss import reduce_scatter_on_this_rank
+print(json.dumps([int(os.environ["RANK"]), *reduce_scatter_on_this_rank()]), flush=True)
+"""
 
 
 def test_the_gloo_reduce_scatter_sums_like_gloos_own_without_its_copy():
     """FSDP's gradient reduce-scatter on gloo ranks (model.shard sets it on every unit there)."""
     world = 2
-    results = mp.Manager().dict()
-    mp.spawn(_reduce_scatter_ranks, args=(world, free_port(), results), nprocs=world, join=True)
+    done = launch(REDUCE_SCATTER_RANK, [], ranks=world, kind="code", cwd=REPO / "tests", timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {row[0]: row[1:] for row in map(json.loads, filter(None, done.stdout.splitlines()))}
+    assert sorted(results) == list(range(world)), done.stdout
     for rank in range(world):
         same, ours, theirs, staging = results[rank]
         assert same, f"rank {rank}: the sums differ from gloo's reduce-scatter"
