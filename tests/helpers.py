@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -127,10 +128,17 @@ IMPORT_TIME_ENV = (
     "TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "OMP_", "MKL_", "KMP_", "JE_ARROW", "HOME", "XDG_",
 )  # fmt: skip
 _zygote: dict = {}
+_zygote_lock = threading.Lock()
 
 
 def _zygote_socket() -> tuple[str, dict[str, str]]:
-    """The warm parent of this test process (started once, on first use): its socket and environment."""
+    """The warm parent of this test process (started once, on first use, by one thread): its socket and
+    environment."""
+    with _zygote_lock:
+        return _started_zygote()
+
+
+def _started_zygote() -> tuple[str, dict[str, str]]:
     if _zygote.get("proc") is not None and _zygote["proc"].poll() is None:
         return _zygote["socket"], _zygote["env"]
     import tempfile
@@ -162,29 +170,37 @@ def launch(
     timeout: float = 300,
     environment: dict[str, str] | None = None,
     cwd: Path = REPO,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_port: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m target argv` (kind "path": `python target argv`; "code": `python -c target argv`) as
     `ranks` real processes with torchrun's worker environment, forked from a warm parent (zygote.py);
     returncode: the first failing rank's code, else 0. A fresh interpreter where the environment
-    sets a variable read at import differently (one rank: the same command; more: torchrun)."""
+    sets a variable read at import differently (one rank: the same command; more: torchrun).
+    nnodes > 1: these are the local ranks of node `node_rank`, meeting the other nodes' (launched
+    beside this one, with the same master_port) as torchrun's --nnodes would have them."""
     environment = env() if environment is None else environment
+    distributed = ranks > 1 or nnodes > 1
+    port = str(master_port or free_port())
     path, base = _zygote_socket()
     if _warm_env_differs(environment, base):
         command = {"module": ["-m", target], "path": [target], "code": ["-c", target]}[kind]
-        if ranks == 1:
+        if not distributed:
             cmd = [sys.executable, *command, *argv]
         else:
-            cmd = [str(BIN / "torchrun"), f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-                   "--master_addr=127.0.0.1", *(["-m", target] if kind == "module" else [target]), *argv]  # fmt: skip
+            cmd = [str(BIN / "torchrun"), f"--nproc_per_node={ranks}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
+                   f"--master_port={port}", "--master_addr=127.0.0.1",
+                   *(["-m", target] if kind == "module" else [target]), *argv]  # fmt: skip
         return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
     import tempfile
 
-    if ranks > 1:
-        environment = environment | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    if distributed:
+        environment = environment | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd),
-                       ranks=ranks, stdout=out, stderr=err)  # fmt: skip
+                       ranks=ranks, nnodes=nnodes, node_rank=node_rank, stdout=out, stderr=err)  # fmt: skip
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
             conn.settimeout(timeout)

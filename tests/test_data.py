@@ -538,52 +538,23 @@ def test_publishing_onto_a_published_copy_keeps_the_first(tmp_path):
 
 @pytest.mark.distributed
 def test_a_node_without_the_shared_cache_tokenises_once(model, tmp_path):
-    """Two "nodes" of two ranks each (two wrapper invocations, --nnodes 2), each with a cache
-    folder of its own: rank 0 and node 1's first local rank tokenise; node 1's second rank
-    waits and reads its node's copy. Each cache ends with one complete copy and no leftovers."""
+    """Two "nodes" of two ranks each (torchrun's --nnodes 2 environment, the ranks forked from the warm
+    parent), each with a cache folder of its own: rank 0 and node 1's first local rank tokenise; node 1's
+    second rank waits and reads its node's copy. Each cache ends with one complete copy and no leftovers."""
+    import concurrent.futures
+
     path = tmp_path / "corpus.jsonl"  # big enough that a second tokeniser on node 1 would overlap the first
     path.write_text("".join(json.dumps({"text": sentence(i, 150)}) + "\n" for i in range(3000)))
-    port = str(free_port())
+    port = free_port()
     caches = [tmp_path / "cache-node0", tmp_path / "cache-node1"]
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "accum_cli",
-                "--nproc",
-                "2",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "--prepare-only",
-                "--model",
-                str(model),
-                "--dataset",
-                path,
-                "--seq-len",
-                "32",
-                "--global-batch",
-                "4",
-                "--output-dir",
-                str(tmp_path / "out"),
-            ],
-            cwd=REPO,
-            env=env(ACCUM_TRAIN_CACHE=str(caches[rank])),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    for node, (stdout, stderr) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, stdout + stderr
+    argv = ["--prepare-only", "--model", str(model), "--dataset", str(path), "--seq-len", "32", "--global-batch", "4",
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        nodes = [pool.submit(launch, "accum_cli", argv, ranks=2, nnodes=2, node_rank=rank, master_port=port,
+                             environment=env(ACCUM_TRAIN_CACHE=str(caches[rank]))) for rank in (0, 1)]  # fmt: skip
+        outputs = [(node.result().stdout, node.result().stderr, node.result().returncode) for node in nodes]
+    for stdout, stderr, code in outputs:
+        assert code == 0, stdout + stderr
     assert "tokenisation      done once (on 2 of 4 ranks) and cached" in outputs[0][0]
     for cache in caches:
         assert not (cache / "estimates").exists(), "--prepare-only trains nothing: no memory estimate"

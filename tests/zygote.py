@@ -16,7 +16,7 @@ stdout a test can read apart per launch, and have no process group of their own 
 with the ranks they started.
 
 Protocol (one request per connection on a Unix socket): the client sends one JSON line
-{target, kind: module|path|code, argv, env, cwd, ranks, stdout, stderr}; a session process (its own
+{target, kind: module|path|code, argv, env, cwd, ranks, nnodes, node_rank, stdout, stderr}; a session process (its own
 process group, so a client timing out kills it and its ranks with one killpg) answers
 {"session": pid} at once and {"codes": [...]} when every rank has ended.
 """
@@ -107,13 +107,15 @@ def run_rank(request: dict, rank: int) -> None:
     """In the forked rank: become the process `python -m target argv` would have been, then exit."""
     code = 1
     try:
-        ranks = request["ranks"]
+        ranks, nodes, node = request["ranks"], request["nnodes"], request["node_rank"]
         os.environ.clear()
         os.environ.update(request["env"])
-        if ranks > 1:
+        if ranks > 1 or nodes > 1:
+            world, global_rank = ranks * nodes, node * ranks + rank
             os.environ.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(ranks),
-                LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks), TORCHELASTIC_RESTART_COUNT="0",
+                RANK=str(global_rank), LOCAL_RANK=str(rank), GROUP_RANK=str(node), ROLE_RANK=str(global_rank),
+                WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(world),
+                GROUP_WORLD_SIZE=str(nodes), TORCHELASTIC_RESTART_COUNT="0",
             )  # fmt: skip
         os.chdir(request["cwd"])
         null = os.open(os.devnull, os.O_RDONLY)
