@@ -61,7 +61,8 @@ def warm_a_run_start() -> None:
     checkpoint conversions, ~1,000 compiled patterns, on a process's first load or save, and imports
     the tokenizer classes). Measured 6 Dec 2026: a 1-rank 3-step tiny run forked from here took
     1.2-1.5 s of CPU before, 0.6-0.8 s after. The random state is left as it was, and no thread is
-    left running (the loading progress bar's monitor would be one)."""
+    left running (the loading progress bar's monitor would be one; the loading pool's
+    threads are waited for)."""
     import tempfile
 
     import torch
@@ -82,6 +83,9 @@ def warm_a_run_start() -> None:
         AutoModelForCausalLM.from_pretrained(folder)
         AutoTokenizer.from_pretrained(folder)
     logging.enable_progress_bar()
+    for thread in threading.enumerate():  # the loading pool is shut down without waiting for its threads
+        if thread is not threading.main_thread():
+            thread.join(timeout=30)
     assert threading.active_count() == 1, f"a thread outlived the warm-up: {threading.enumerate()}"
 
 
