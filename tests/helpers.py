@@ -182,7 +182,7 @@ def launch(
     beside this one, with the same master_port) as torchrun's --nnodes would have them."""
     environment = env() if environment is None else environment
     distributed = ranks > 1 or nnodes > 1
-    port = str(master_port or free_port())
+    port = str(master_port or free_port()) if distributed else ""
     path, base = _zygote_socket()
     if _warm_env_differs(environment, base):
         command = {"module": ["-m", target], "path": [target], "code": ["-c", target]}[kind]

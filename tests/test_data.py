@@ -552,10 +552,10 @@ def test_a_node_without_the_shared_cache_tokenises_once(model, tmp_path):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         nodes = [pool.submit(launch, "accum_cli", argv, ranks=2, nnodes=2, node_rank=rank, master_port=port,
                              environment=env(ACCUM_TRAIN_CACHE=str(caches[rank]))) for rank in (0, 1)]  # fmt: skip
-        outputs = [(node.result().stdout, node.result().stderr, node.result().returncode) for node in nodes]
-    for stdout, stderr, code in outputs:
-        assert code == 0, stdout + stderr
-    assert "tokenisation      done once (on 2 of 4 ranks) and cached" in outputs[0][0]
+        done = [node.result() for node in nodes]
+    for node in done:
+        assert node.returncode == 0, node.stdout + node.stderr
+    assert "tokenisation      done once (on 2 of 4 ranks) and cached" in done[0].stdout
     for cache in caches:
         assert not (cache / "estimates").exists(), "--prepare-only trains nothing: no memory estimate"
         assert len(cache_entries(cache)) == 1 and not cache_entries(cache)[0].name.startswith(".")
