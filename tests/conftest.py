@@ -13,6 +13,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("ACCUM_TRAIN_REPORT", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory):
+    """The suite's own data and estimate cache, never the user's (~/.cache/huggingface/datasets):
+    the tests write nothing there, and a run of the suite costs the same on a fresh machine as on one
+    that ran it before. Shared by the test workers of one run (xdist's give each a folder under one
+    root), so a preparation or an estimate that several tests ask for is made once; pytest removes it
+    with its other old folders."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    for name, folder in (("ACCUM_TRAIN_CACHE", "accum-cache"), ("HF_DATASETS_CACHE", "datasets-cache")):
+        (root / folder).mkdir(exist_ok=True)
+        os.environ[name] = str(root / folder)
+    yield root
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_leaks():
     """A test that started a process group in this interpreter must not leak it into the next."""
