@@ -8,7 +8,8 @@ state, activations, temporaries) and the peak. An untracked step first creates A
 so the tracked step of at least two microbatches shows the steady state.
 
 The fake process group replaces the real one for the life of the process, so estimation runs
-in a child process (`python -m accum_cli.memory.measure`): a real run's process group is never touched.
+in a child process (forked where that is safe, else `python -m accum_cli.memory.measure`: child.py):
+a real run's process group is never touched.
 One child serves a whole decision (`Session`): torch is imported and the fake model built once,
 then reused for every micro batch and policy asked about. Results are cached on disk keyed by
 every input, so a second `--plan` is instant.
@@ -20,13 +21,13 @@ import json
 import os
 import select
 import subprocess
-import sys
 import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
+from accum_cli.memory.child import Forked, start_child
 from accum_cli.memory.query import KINDS, Estimate, Query
 
 ESTIMATE_TIMEOUT_S = 1800
@@ -49,7 +50,7 @@ class Session:
     (a micro batch search asks several questions, each depending on the last answers)."""
 
     def __init__(self) -> None:
-        self._child: subprocess.Popen | None = None
+        self._child: subprocess.Popen | Forked | None = None
         self._log = None
 
     def __enter__(self) -> Session:
@@ -106,27 +107,16 @@ class Session:
             ready, _, _ = select.select([child.stdout], [], [], ESTIMATE_TIMEOUT_S)
             line = child.stdout.readline() if ready else ""
         except OSError:  # the child died before reading
-            line = ""
-        if not line:
-            self._fail(f"no answer in {ESTIMATE_TIMEOUT_S} s" if child.poll() is None else "")
+            ready, line = True, ""
+        if not line:  # its end (its last words are in the log: _fail waits for it), else the time ran out
+            self._fail("" if ready else f"no answer in {ESTIMATE_TIMEOUT_S} s")
         rows = json.loads(line)
         return [Estimate(row["peak"], row["breakdown"], row["seconds"]) for row in rows]
 
     def _start(self) -> None:
-        env = dict(os.environ)
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)  # the child must not join the real run's process group
-        env.setdefault("OMP_NUM_THREADS", "1")
         # A file, not a pipe: warnings never block the child. Closed by close().
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "accum_cli.memory.measure"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-        )
+        self._child = start_child(self._log)
 
     def _fail(self, why: str) -> None:
         self.close(keep_log=True)

@@ -291,12 +291,12 @@ class Measurer:
         return Estimate(peak, breakdown, time.perf_counter() - started)
 
 
-def main() -> None:
-    """One JSON list of queries per input line, one JSON list of results per output line, until
-    the end of the input."""
-    answers, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints must not pass for an answer
+def serve(requests, answers) -> None:
+    """One JSON list of queries per line of `requests`, one JSON list of results per line of `answers`,
+    until the end of the requests (the child's protocol, spawned or forked: memory/child.py)."""
+    sys.stdout = sys.stderr  # whatever a library prints must not pass for an answer
     measurer = Measurer()
-    for line in sys.stdin:
+    for line in requests:
         queries = [Query(**row) for row in json.loads(line)]
         try:
             measured = measurer.measure(queries)
@@ -305,6 +305,10 @@ def main() -> None:
             raise SystemExit(1) from None
         rows = [{"peak": r.peak, "breakdown": r.breakdown, "seconds": r.seconds} for r in measured]
         print(json.dumps(rows), file=answers, flush=True)
+
+
+def main() -> None:
+    serve(sys.stdin, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""The estimating child (memory/child.py): forked from a process that holds no process group, spawned
+from one that does, the same answers either way, and nothing of one session's child left in another's."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch.distributed as dist
+from test_estimate import query
+
+from accum_cli.memory import child, estimate
+from accum_cli.memory.query import Query
+from accum_cli.model.load import EMBEDDED_MODEL_DIR
+
+
+def test_a_forked_child_answers_as_a_spawned_one(tmp_path, monkeypatch):
+    """Without a process group here the child is forked (no interpreter is started); with one, a fresh
+    interpreter is (a fork's copy of a real group cannot be torn down for the fake one). The peaks and
+    their breakdowns are the same."""
+    asked = [query(EMBEDDED_MODEL_DIR, "last", 2)]
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(args[0])
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "forked"))
+    forked = estimate.estimate(asked)
+    assert started == [], "a child was spawned where it could be forked"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path / "spawned"))
+    spawned = estimate.estimate(asked)
+    assert len(started) == 1 and started[0][1:] == ["-m", "accum_cli.memory.measure"], started
+    assert not forked[0].cached and not spawned[0].cached
+    assert (forked[0].peak, forked[0].breakdown) == (spawned[0].peak, spawned[0].breakdown)
+
+
+def test_a_session_closes_at_once_while_another_sessions_child_lives(tmp_path, monkeypatch):
+    """The second session's child is forked while the first one's lives: it must not keep the first
+    one's input open, or the first child would never see its end and closing its session would wait
+    for the 30 s timeout and kill it."""
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
+    first, second = estimate.Session(), estimate.Session()
+    try:
+        first.estimate([query(EMBEDDED_MODEL_DIR, "every", 1)])
+        second.estimate([query(EMBEDDED_MODEL_DIR, "every", 2)])
+        began = time.monotonic()
+        first.close()
+        assert time.monotonic() - began < 10
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.parametrize("how", ["forked", "spawned"])
+def test_a_query_the_child_cannot_run_is_one_line_naming_why(how, tmp_path, monkeypatch):
+    """What the child prints goes to the session's log, whose last line the failure names, forked or
+    spawned, however soon after its last words the child is seen to have ended."""
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
+    if how == "spawned":
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    assert child.forkable() == (how == "forked")
+    broken = Query({"model_type": "no-such-architecture"}, 2, 1, 1, 16, "last", False, False)
+    with pytest.raises(estimate.EstimateFailed) as failed:
+        estimate.estimate([broken])
+    message = str(failed.value)
+    assert "no-such-architecture" in message and "\n" not in message, message
