@@ -1,5 +1,6 @@
 """The estimating child (memory/child.py): forked from a process that holds no process group, spawned
-from one that does, the same answers either way, and nothing of one session's child left in another's."""
+from one that does, the same answers either way, forked ahead by a rank that will need it, and nothing of
+one session's child left in another's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from helpers import run_cli, save_tiny_model, write_ragged_tokens
 from test_estimate import query
 
 from accum_cli.memory import child, estimate
@@ -69,3 +71,31 @@ def test_a_query_the_child_cannot_run_is_one_line_naming_why(how, tmp_path, monk
         estimate.estimate([broken])
     message = str(failed.value)
     assert "no-such-architecture" in message and "\n" not in message, message
+
+
+# Loaded at the start of every fresh interpreter of the run (PYTHONPATH): it notes an estimating one.
+NOTE_ESTIMATING_INTERPRETERS = """import sys
+if "accum_cli.memory.measure" in sys.orig_argv:
+    with open({marker!r}, "a") as f:
+        f.write(" ".join(sys.orig_argv) + "\\n")
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_that_decides_from_sharded_estimates_starts_no_interpreter_for_them(tmp_path):
+    """Rank 0 decides once its process group is up, where a child can only be spawned; it forks the
+    child ahead, before the group starts, when the decision may need it (setup.py)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "estimating-interpreters.txt"
+    (site / "sitecustomize.py").write_text(NOTE_ESTIMATING_INTERPRETERS.format(marker=str(marker)))
+    args = [
+        "--model", str(save_tiny_model(tmp_path / "model")), "--dataset", str(write_ragged_tokens(tmp_path / "d.jsonl")),
+        "--global-batch", "8", "--micro-batch", "2", "--layout", "shard", "--max-steps", "1",
+        "--output-dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    cache = str(tmp_path / "cache")
+    done = run_cli(args, nproc=2, env_extra={"PYTHONPATH": str(site), "ACCUM_TRAIN_CACHE": cache})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "cache" / "estimates").glob("*.json"))) == 3  # each policy's, at m = 2
+    assert not marker.exists(), marker.read_text()

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from accum_cli.errors import UserError, first_line
-from accum_cli.memory.child import Forked, start_child
+from accum_cli.memory.child import Forked, forkable, start_child
 from accum_cli.memory.query import KINDS, Estimate, Query
 
 ESTIMATE_TIMEOUT_S = 1800
@@ -114,6 +114,11 @@ class Session:
         return [Estimate(row["peak"], row["breakdown"], row["seconds"]) for row in rows]
 
     def _start(self) -> None:
+        global _ahead
+        if _ahead is not None and _ahead is not self:  # forked ahead (fork_ahead): this session takes it
+            self._log, self._child, _ahead._log, _ahead._child = _ahead._log, _ahead._child, None, None
+            _ahead = None
+            return
         # A file, not a pipe: warnings never block the child. Closed by close().
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self._child = start_child(self._log)
@@ -143,6 +148,26 @@ class Session:
         for stream in (child.stdin, child.stdout, None if keep_log else self._log):
             if stream is not None and not stream.closed:
                 stream.close()
+
+
+_ahead: Session | None = None  # a session whose child was forked ahead of its first query
+
+
+def fork_ahead() -> None:
+    """Fork the estimating child now, while this process holds no process group: a rank about to start
+    one, whose decision will ask for sharded estimates, would otherwise spawn a fresh interpreter for
+    them (child.py). The next session to need a child takes it; `release_ahead` ends it if none did."""
+    global _ahead
+    if _ahead is None and forkable():
+        _ahead = Session()
+        _ahead._start()
+
+
+def release_ahead() -> None:
+    global _ahead
+    ahead, _ahead = _ahead, None
+    if ahead is not None:
+        ahead.close()
 
 
 def estimate(queries: list[Query]) -> list[Estimate]:

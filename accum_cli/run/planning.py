@@ -12,7 +12,7 @@ from accum_cli.config import policy
 from accum_cli.config.plan import Plan, usable_micro_batch
 from accum_cli.config.settings import TrainConfig
 from accum_cli.errors import UserError
-from accum_cli.memory import fit, layout
+from accum_cli.memory import estimate, fit, layout
 from accum_cli.model import load as modeling
 from accum_cli.model import lora
 from accum_cli.parallel import runtime
@@ -182,7 +182,10 @@ def decide(
         target = fit_target(cfg, model_config, seq_len, rt.world_size, settings, rt.device.type)
         try:
             budget = budget_for(cfg, rt)
-            choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget)
+            try:
+                choice = layout.decide(cfg.layout, target, usable(cfg, rt.world_size), cfg.sync, budget)
+            finally:
+                estimate.release_ahead()  # the child forked ahead, if no estimate took it
             # Where no estimate was needed (one rank, a fixed micro batch and policy), this is the check
             # that remains; offloaded, the weights live in host memory, not the device's.
             if not settings.offload_params:
@@ -199,6 +202,13 @@ def decide(
     # --strict-batch: a fixed m was checked by the preflight, an auto one chosen divisible (fit.py)
     plan = Plan(cfg.global_batch, micro_batch, rt.world_size)
     return layout.Decision(chosen, why), plan, micro_reason, policy.Decision(sync, reason)
+
+
+def may_estimate_sharded(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether rank 0's decision (layout.decide) may ask for an estimate of the sharded layout: more than
+    one rank, a layout that may shard, and a micro batch or sync policy left to the estimate."""
+    left = cfg.micro_batch == fit.AUTO or cfg.sync == policy.AUTO
+    return world_size > 1 and cfg.layout != layout.REPLICATE and left
 
 
 def stage_plan(plan: Plan, global_batch: int) -> Plan:

@@ -19,7 +19,7 @@ from accum_cli.config.plan import Plan
 from accum_cli.config.settings import RESUME_AUTO, TrainConfig
 from accum_cli.data import cache, formats, isolate, packing, prepare, prompts, sources, stream
 from accum_cli.errors import UserError
-from accum_cli.memory import layout
+from accum_cli.memory import estimate, layout
 from accum_cli.model import load as modeling
 from accum_cli.model import lora, positions
 from accum_cli.parallel import runtime, sharding
@@ -38,6 +38,7 @@ from accum_cli.run.planning import (
     check_layout,
     check_schedule,
     decide,
+    may_estimate_sharded,
     model_size,
     plan_before_fit,
     resolve_seq_len,
@@ -147,6 +148,8 @@ def setup(cfg: TrainConfig, resume: str | None, prepare_only: bool = False) -> S
     settings = sharding.resolve(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     replayed = None
 
+    if not prepare_only and env_rank() == 0 and may_estimate_sharded(cfg, int(os.environ.get("WORLD_SIZE", "1"))):
+        estimate.fork_ahead()  # while no process group is here: forked, not a fresh interpreter (memory/child.py)
     rt = runtime.start()
     if not settings.rank0_loading:
         # transformers reads this too, and would leave ranks > 0 with empty (meta) weights
