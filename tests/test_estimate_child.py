@@ -41,6 +41,25 @@ def test_a_forked_child_answers_as_a_spawned_one(tmp_path, monkeypatch):
     assert (forked[0].peak, forked[0].breakdown) == (spawned[0].peak, spawned[0].breakdown)
 
 
+def test_a_child_forked_after_ops_ran_on_several_threads_does_not_wait_for_them(tmp_path, monkeypatch):
+    """This process ran an op on two OpenMP threads; the fork has none of them, and its first parallel op
+    (the estimate runs real ones: cpu/linear.py's check) waited for them forever. Cut short here: an
+    estimate of the tiny model takes seconds."""
+    import torch
+
+    monkeypatch.setenv("ACCUM_TRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(estimate, "ESTIMATE_TIMEOUT_S", 120)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(512, 512) @ torch.randn(512, 512)  # OpenMP's threads now exist in this process
+        torch.nn.functional.linear(torch.randn(64, 256), torch.randn(256, 256))
+        found = estimate.estimate([query(EMBEDDED_MODEL_DIR, "every", 3)])
+    finally:
+        torch.set_num_threads(before)
+    assert found[0].peak > 0
+
+
 def test_a_session_closes_at_once_while_another_sessions_child_lives(tmp_path, monkeypatch):
     """The second session's child is forked while the first one's lives: it must not keep the first
     one's input open, or the first child would never see its end and closing its session would wait

@@ -107,6 +107,12 @@ def _serve(requests: int, answers: int, log: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, as it ends a spawned one
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         isolate.end_with_parent()
+        # OpenMP's worker threads are not copied by a fork, but its record of them is: the first op run in
+        # parallel here (the estimate runs a few real ones: cpu/linear.py's check) would wait for them
+        # forever, once this process had run one on several threads. On one thread none is started.
+        import torch
+
+        torch.set_num_threads(1)
         null = os.open(os.devnull, os.O_RDONLY)
         for target, source in ((0, null), (1, log), (2, log)):
             os.dup2(source, target)
