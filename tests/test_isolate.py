@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO, env, free_port, save_tiny_model
 
-from accum_cli.data import isolate
+from accum_cli.data import cache, isolate
 from accum_cli.errors import UserError
 
 pytestmark = pytest.mark.skipif(not isolate.available(), reason="fork as on Linux")
@@ -221,3 +222,14 @@ def test_cuda_is_looked_up_not_imported():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.stdout.split() == ["False", "False"], done.stdout + done.stderr
+
+
+def test_the_suite_keeps_its_caches_out_of_the_users_home(suite_cache):
+    """conftest.py's own cache: what the tests prepare and estimate lands under pytest's folder, never in
+    ~/.cache, whose leftovers made earlier runs of the suite look faster than a fresh machine's."""
+    from accum_cli.memory import estimate
+
+    assert cache.cache_root() == suite_cache / "accum-cache"
+    assert estimate.cache_dir().parent == suite_cache / "accum-cache"
+    assert os.environ["HF_DATASETS_CACHE"] == str(suite_cache / "datasets-cache")
+    assert not cache.cache_root().is_relative_to(Path.home())

@@ -149,11 +149,7 @@ def _serve(write_end: int | Callable[[str], None], fn: Callable, args, parent: i
         # once. Unwinding would end its pool of workers, which multiprocessing can hang doing
         # when a worker dies halfway through a message; what a stopped child leaves, the caller
         # removes once it is gone. The parent's handlers, whatever they are, mean nothing here.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        end_with_parent()
-        if os.getppid() != parent:  # it died before that took effect
-            os._exit(128 + signal.SIGTERM)
+        become_child(parent)
         report = {"value": fn(*args)}
     except UserError as exc:
         report = {"error": str(exc)}
@@ -172,6 +168,22 @@ def _serve(write_end: int | Callable[[str], None], fn: Callable, args, parent: i
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(0)  # no atexit handlers, no second flush: they are the parent's
+
+
+def become_child(parent: int) -> None:
+    """What a child forked (or spawned) to work for `parent` does first: Ctrl-C and SIGTERM end it at
+    once, whatever the parent's handlers; it ends with its parent; and it runs torch on one thread.
+    OpenMP's worker threads are not copied by a fork, but its record of them is: the child's first op
+    run in parallel would wait for them forever, once the parent had run one on several threads (the
+    memory estimate's child runs a few real ops: cpu/linear.py's check). On one thread none starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    end_with_parent()
+    if os.getppid() != parent:  # it died before that took effect
+        os._exit(128 + signal.SIGTERM)
+    torch = sys.modules.get("torch")  # looked up, never imported
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>

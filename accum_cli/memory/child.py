@@ -10,7 +10,9 @@ cannot give it (a fork's copy of a gloo or NCCL group cannot be torn down there)
 CUDA's state into a child that cannot use it (data/isolate.py): a training rank, which decides after
 its process group starts, spawns.
 
-The child answers over two pipes in `measure.serve`'s line protocol, as the spawned one does over its
+Not multiprocessing's fork context: its child runs multiprocessing's bootstrap and exit path, and
+the spawned child's line protocol over pipes would need a second form there; this is a fork and
+the same protocol. The child answers over two pipes in `measure.serve`'s line protocol, as the spawned one does over its
 stdin and stdout; whatever it prints goes to the session's log file. It keeps no other file of this
 process open: a second session's child must not hold the first one's pipe, or the first would never
 see the end of its input.
@@ -69,9 +71,10 @@ class Forked:
         sys.stdout.flush()  # or the child's exit would print what this process had buffered again
         sys.stderr.flush()
         gc.freeze()  # as in isolate.in_child: the child's collector leaves this process's objects alone
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:  # never returns
-            _serve(request_read, answer_write, log.fileno())
+            _serve(request_read, answer_write, log.fileno(), parent)
         gc.unfreeze()
         os.close(request_read)
         os.close(answer_write)
@@ -100,19 +103,11 @@ class Forked:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _serve(requests: int, answers: int, log: int) -> None:
+def _serve(requests: int, answers: int, log: int, parent: int) -> None:
     """The forked child's whole life: it ends in os._exit, never back in the caller."""
     code = 1
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, as it ends a spawned one
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        isolate.end_with_parent()
-        # OpenMP's worker threads are not copied by a fork, but its record of them is: the first op run in
-        # parallel here (the estimate runs a few real ones: cpu/linear.py's check) would wait for them
-        # forever, once this process had run one on several threads. On one thread none is started.
-        import torch
-
-        torch.set_num_threads(1)
+        isolate.become_child(parent)  # signals, the parent's end, and torch on one thread (OpenMP)
         null = os.open(os.devnull, os.O_RDONLY)
         for target, source in ((0, null), (1, log), (2, log)):
             os.dup2(source, target)
