@@ -504,7 +504,8 @@ Path(gate, os.environ["RANK"]).touch()
 while len(os.listdir(gate)) < int(os.environ["WORLD_SIZE"]):  # all set: they start preparing together
     time.sleep(0.001)
 data, _, tokenised = prepare.prepare(raw, tokenizer, formats.Options(64, vocab_size=384), True, True, lambda: None, 1)
-print(json.dumps([hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised]), flush=True)
+# One write per line: the ranks share stdout, unbuffered (print writes the line and its end apart).
+os.write(1, (json.dumps([hashlib.sha256(np.asarray(data.tokens).tobytes()).hexdigest(), tokenised]) + "\\n").encode())
 """
 
 

@@ -184,7 +184,8 @@ def reduce_scatter_on_this_rank() -> tuple[bool, int, int, int]:
 REDUCE_SCATTER_RANK = """
 import json, os
 from test_loss import reduce_scatter_on_this_rank
-print(json.dumps([int(os.environ["RANK"]), *reduce_scatter_on_this_rank()]), flush=True)
+# One write per line: the ranks share stdout, unbuffered (print writes the line and its end apart).
+os.write(1, (json.dumps([int(os.environ["RANK"]), *reduce_scatter_on_this_rank()]) + "\\n").encode())
 """
 
 
