@@ -173,13 +173,15 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     master_port: int | None = None,
+    umask: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m target argv` (kind "path": `python target argv`; "code": `python -c target argv`) as
     `ranks` real processes with torchrun's worker environment, forked from a warm parent (zygote.py);
     returncode: the first failing rank's code, else 0. A fresh interpreter where the environment
     sets a variable read at import differently (one rank: the same command; more: torchrun).
     nnodes > 1: these are the local ranks of node `node_rank`, meeting the other nodes' (launched
-    beside this one, with the same master_port) as torchrun's --nnodes would have them."""
+    beside this one, with the same master_port) as torchrun's --nnodes would have them. umask: the
+    processes' file mode mask (None: the test process's)."""
     environment = env() if environment is None else environment
     distributed = ranks > 1 or nnodes > 1
     port = str(master_port or free_port()) if distributed else ""
@@ -192,14 +194,16 @@ def launch(
             cmd = [str(BIN / "torchrun"), f"--nproc_per_node={ranks}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
                    f"--master_port={port}", "--master_addr=127.0.0.1",
                    *(["-m", target] if kind == "module" else [target]), *argv]  # fmt: skip
-        return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+        mask = None if umask is None else (lambda: os.umask(umask))
+        return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=mask)  # fmt: skip
     import tempfile
 
     if distributed:
         environment = environment | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd),
+        request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd), umask=umask,
                        ranks=ranks, nnodes=nnodes, node_rank=node_rank, stdout=out, stderr=err)  # fmt: skip
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
@@ -219,7 +223,12 @@ def launch(
 
 
 def python(
-    cmd: list[str], cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 300, **how
+    cmd: list[str],
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    umask: int | None = None,
+    **how,
 ) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *cmd], cwd=, env=, capture_output=True, text=True, timeout=)`
     through launch(): `-m module ...`, `-c code ...` or `script ...`, one process. `how` may only
@@ -229,7 +238,7 @@ def python(
         target, kind, argv = cmd[1], {"-m": "module", "-c": "code"}[cmd[0]], cmd[2:]
     else:
         target, kind, argv = cmd[0], "path", cmd[1:]
-    done = launch(target, argv, kind=kind, timeout=timeout, environment=env, cwd=cwd)
+    done = launch(target, argv, kind=kind, timeout=timeout, environment=env, cwd=cwd, umask=umask)
     if how.get("check"):
         done.check_returncode()
     return done

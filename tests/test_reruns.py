@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, REPO, env, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import BIN, REPO, env, python, read_metrics, run_cli, save_tiny_model, write_ragged_tokens
 from safetensors.torch import load_file
 
 slow = pytest.mark.distributed  # real training subprocesses (one rank each): the slow set
@@ -135,19 +135,12 @@ def test_resume_auto_starts_afresh_where_the_same_run_died_before_its_first_chec
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
 
-def umask(mask: int):
-    return lambda: os.umask(mask)
-
-
 @slow
 def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "accum_cli", *train_args(root, out, 2, model="bf16-model")]
-    result = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
-                            preexec_fn=umask(0o022))  # fmt: skip
-    ok(result)
+    ok(python(["-m", "accum_cli", *train_args(root, out, 2, model="bf16-model")], env=env(), umask=0o022))
     final, source = out / "final", root / "bf16-model"
     size, source_size = (final / "model.safetensors").stat().st_size, (source / "model.safetensors").stat().st_size
     print(f"bf16 model {source_size:,} B -> final/ {size:,} B")
@@ -162,12 +155,9 @@ def test_a_bf16_model_is_exported_in_bf16_and_readable_by_colleagues(root, tmp_p
     exports = {}
     for dtype in ("fp32", "auto"):
         exports[dtype] = tmp_path / f"export-{dtype}"
-        exported = subprocess.run(
-            [sys.executable, "-c", "from accum_cli.cli.main import export_entry; export_entry()", str(checkpoint),
-             str(exports[dtype]), "--export-dtype", dtype],
-            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120, preexec_fn=umask(0o022),
-        )  # fmt: skip
-        ok(exported)
+        export = ["-c", "from accum_cli.cli.main import export_entry; export_entry()", str(checkpoint),
+                  str(exports[dtype]), "--export-dtype", dtype]  # fmt: skip
+        ok(python(export, env=env(), timeout=120, umask=0o022))
     fp32_size = (exports["fp32"] / "model.safetensors").stat().st_size
     print(f"--export-dtype fp32 (the old behaviour): {fp32_size:,} B")
     assert fp32_size > 1.9 * source_size

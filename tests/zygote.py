@@ -16,7 +16,8 @@ stdout a test can read apart per launch, and have no process group of their own 
 with the ranks they started.
 
 Protocol (one request per connection on a Unix socket): the client sends one JSON line
-{target, kind: module|path|code, argv, env, cwd, ranks, nnodes, node_rank, stdout, stderr}; a session process (its own
+{target, kind: module|path|code, argv, env, cwd, umask (None: this server's), ranks, nnodes, node_rank, stdout,
+stderr}; a session process (its own
 process group, so a client timing out kills it and its ranks with one killpg) answers
 {"session": pid} at once and {"codes": [...]} when every rank has ended.
 """
@@ -122,6 +123,8 @@ def run_rank(request: dict, rank: int) -> None:
                 GROUP_WORLD_SIZE=str(nodes), TORCHELASTIC_RESTART_COUNT="0",
             )  # fmt: skip
         os.chdir(request["cwd"])
+        if request.get("umask") is not None:
+            os.umask(request["umask"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
