@@ -96,10 +96,17 @@ def test_accelerate_launch_with_a_cpu_fsdp_config(setup, single, tmp_path):
 
 @pytest.fixture(scope="module")
 def wrapper_run(setup, tmp_path_factory):
-    out = tmp_path_factory.mktemp("wrapper") / "run"
+    """A 2-rank wrapper run whose user has OMP_NUM_THREADS=2 and a broken default Accelerate config."""
+    root = tmp_path_factory.mktemp("wrapper")
+    out = root / "run"
+    # `accelerate config` writes a default for every project (under HF_HOME): a broken one here.
+    default = root / "hf" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text("compute_environment: [LOCAL_MACHINE\n")  # broken YAML
     command = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()), *common(setup, out)]  # fmt: skip
     # Two threads per rank, not the share of the cores (1 on two cores): the user's OMP_NUM_THREADS is kept.
-    result = subprocess.run(command, cwd=REPO, env=env(threads=2), capture_output=True, text=True, timeout=300)
+    environment = env(threads=2, HF_HOME=str(root / "hf"))
+    result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
     return out, result
 
 
@@ -172,16 +179,14 @@ def test_the_wrapper_refuses_bad_launch_flags_before_starting_anything(setup, tm
         assert not out.exists()
 
 
-def test_the_wrapper_ignores_the_users_default_accelerate_config(setup, tmp_path):
+def test_the_wrapper_ignores_the_users_default_accelerate_config(wrapper_run):
     """`accelerate config` writes a default for every project; the wrapper's flags alone decide
-    (Accelerate read it: a broken one ended in a traceback, a valid one turned on its FSDP settings)."""
-    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
-    default.parent.mkdir(parents=True)
-    default.write_text("compute_environment: [LOCAL_MACHINE\n")  # broken YAML
-    result = subprocess.run([sys.executable, "-m", "accum_cli", "--nproc", "1", *common(setup, tmp_path / "run")],
-                            cwd=REPO, env=env(HF_HOME=str(tmp_path / "hf")), capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    (Accelerate read it: a broken one ended in a traceback, a valid one turned on its FSDP settings).
+    `wrapper_run`'s user has a broken one."""
+    out, result = wrapper_run
+    assert (out.parent / "hf" / "accelerate" / "default_config.yaml").read_text().startswith("compute_environment: [")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "cpu x 2 (gloo)" in result.stdout, "the wrapper's --nproc 2 decided, not the config"
 
 
 def test_the_worker_killed_first_is_named_not_those_the_agent_stopped_after_it():
@@ -213,17 +218,20 @@ checkpoint.save = slow_save
 """
 
 
-def test_a_sigterm_to_the_wrapper_waits_for_a_save_longer_than_torchs_30_s(setup, tmp_path):
-    """torch's elastic agent SIGKILLs its workers 30 s after forwarding a SIGTERM: a checkpoint that
-    takes longer (a big model) was cut off mid-save, exit 143, no requeue. The wrapper gives them longer."""
-    hooks = tmp_path / "hooks"
+@pytest.fixture(scope="module")
+def slow_save_stopped(setup, tmp_path_factory):
+    """A 2-rank wrapper run, without OMP_NUM_THREADS, whose every process saves a checkpoint in over
+    30 s, stopped by a SIGTERM to the wrapper after its first step: its folder and its completed process."""
+    root = tmp_path_factory.mktemp("slow-save")
+    hooks = root / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(SLOW_SAVE)  # every process of the run saves slowly
-    out = tmp_path / "run"
+    out = root / "run"
     cmd = [str(BIN / "accum-train"), "--nproc", "2", "--master-port", str(free_port()),
            *common(setup, out, global_batch=4), "--max-steps", "400"]  # fmt: skip
     run_env = env(PYTHONPATH=f"{hooks}:{REPO}")
     run_env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    run_env.pop("OMP_NUM_THREADS")  # the wrapper sets each rank's share of the cores
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -232,7 +240,15 @@ def test_a_sigterm_to_the_wrapper_waits_for_a_save_longer_than_torchs_30_s(setup
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as Slurm signals the batch step
     stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == 75, stdout + stderr
+    return out, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def test_a_sigterm_to_the_wrapper_waits_for_a_save_longer_than_torchs_30_s(slow_save_stopped):
+    """torch's elastic agent SIGKILLs its workers 30 s after forwarding a SIGTERM: a checkpoint that
+    takes longer (a big model) was cut off mid-save, exit 143, no requeue. The wrapper gives them longer.
+    Also the plain case: a SIGTERM to the wrapper, as Slurm sends it, ends the run in exit 75 with a checkpoint."""
+    out, result = slow_save_stopped
+    assert result.returncode == 75, result.stdout + result.stderr
     done = len(read_metrics(out))
     assert (out / "checkpoints" / f"step-{done:06d}" / "meta.json").is_file()
     assert not list((out / "checkpoints").glob(".tmp-*"))
@@ -293,18 +309,13 @@ def test_an_accelerate_config_under_home_written_with_an_equals_sign_is_found(tm
     assert launch.accelerate_config == str(tmp_path / "cpu.yaml") and launch.world_size == 2
 
 
-def test_the_wrapper_gives_each_rank_its_share_of_the_cores_unless_omp_num_threads_is_set(setup, tmp_path):
+def test_the_wrapper_gives_each_rank_its_share_of_the_cores_unless_omp_num_threads_is_set(slow_save_stopped):
     """Without OMP_NUM_THREADS each rank would take every core and the ranks fight over them: the wrapper sets
     the cores (the affinity mask's) divided by the local ranks, at least 1, as torchrun sets 1, and the header
-    says so. A value the user set is kept: `wrapper_run` sets 2, test_the_wrapper_starts_real_gloo_ranks reads it."""
+    says so (`slow_save_stopped` leaves it unset). A value the user set is kept: `wrapper_run` sets 2,
+    test_the_wrapper_starts_real_gloo_ranks reads it."""
     import os
 
     cores = len(os.sched_getaffinity(0))
-    unset = env()
-    unset.pop("OMP_NUM_THREADS")
-    command = [sys.executable, "-m", "accum_cli", "--nproc", "2", "--master-port", str(free_port()),
-               "--model", str(setup / "model"), "--dataset", str(setup / "data.jsonl"), "--global-batch", "4",
-               "--micro-batch", "2", "--max-steps", "1", "--output-dir", str(tmp_path / "run")]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, env=unset, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    _, result = slow_save_stopped
     assert f"threads {max(1, cores // 2)} per rank (--nproc: {cores} cores / 2 ranks here; " in result.stdout

@@ -584,18 +584,6 @@ def test_workers_stop_when_their_launcher_is_killed(root, tmp_path, launcher):
 
 
 @pytest.mark.distributed
-def test_sigterm_to_the_wrapper_exits_75_with_a_checkpoint(root, tmp_path):
-    out = tmp_path / "run"
-    wrapper = start_wrapper(root, out)
-    wait_for_steps(out, 2, wrapper)
-    wrapper.send_signal(signal.SIGTERM)
-    _, stderr = wrapper.communicate(timeout=120)
-    assert wrapper.returncode == 75, stderr
-    steps = len(read_metrics(out))
-    assert (out / "checkpoints" / f"step-{steps:06d}" / "meta.json").is_file()
-
-
-@pytest.mark.distributed
 def test_a_lost_rank_is_one_line_naming_it(root, tmp_path):
     out = tmp_path / "run"
     wrapper = start_wrapper(root, out)
