@@ -274,6 +274,22 @@ def run_cli(
     return subprocess.run(cmd, cwd=REPO, env=env(**(env_extra or {})), capture_output=True, text=True, timeout=timeout)
 
 
+# `python -m accum_cli argv` from a `python -c` program (launch's kind "code"): after a prelude of the caller's.
+AS_MODULE = """
+import runpy, sys
+sys.argv = ["accum_cli", *sys.argv[1:]]
+runpy.run_module("accum_cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli_after(prelude: str, args: list[str], nproc: int = 1, timeout: float = 300, env_extra: dict | None = None):
+    """accum-train as run_cli runs it, each process first running `prelude`: a patch, as a sitecustomize.py
+    on PYTHONPATH would apply it in every process, or a log setting, as TORCH_LOGS would. Forked warm
+    (launch's kind "code"), where PYTHONPATH or TORCH_LOGS would take fresh interpreters."""
+    environment = env(**(env_extra or {}))
+    return launch(prelude + AS_MODULE, args, ranks=nproc, kind="code", timeout=timeout, environment=environment)
+
+
 def message_lines(stderr: str) -> list[str]:
     """stderr's lines without blanks and without the tokenising progress bar, which a preparation shows
     once it has taken over 2 s (data/prepare.py PROGRESS_AFTER_S): on a loaded machine, a test's tiny one."""

@@ -15,12 +15,11 @@ import pytest
 import torch
 from helpers import (
     assert_complete_hf_model,
-    env,
-    launch,
     probe_logits,
     read_metrics,
     rel_err,
     run_cli,
+    run_cli_after,
     save_tiny_model,
     write_ragged_tokens,
 )
@@ -181,14 +180,12 @@ def test_linear_layers_through_onednn_train_the_same(workdir, references, tmp_pa
         assert [(m["loss"], m["grad_norm"]) for m in ours] != [(m["loss"], m["grad_norm"]) for m in torchs]
 
 
-# `python -m accum_cli` with dynamo's log on, as TORCH_LOGS=dynamo has it: that variable is read when torch is
-# imported, so only a fresh interpreter would take it; this sets the same in a process forked warm.
-WITH_DYNAMOS_LOG = """
-import logging, runpy, sys
+# Dynamo's log on, as TORCH_LOGS=dynamo has it: that variable is read when torch is imported, so only a
+# fresh interpreter would take it; this sets the same in a process forked warm.
+DYNAMOS_LOG = """
+import logging
 import torch._logging
 torch._logging.set_logs(dynamo=logging.INFO)
-sys.argv = ["accum_cli", *sys.argv[1:]]
-runpy.run_module("accum_cli", run_name="__main__", alter_sys=True)
 """
 
 
@@ -203,7 +200,7 @@ def test_compile_decided_by_the_measured_steps_keeps_the_training_exact(
     out = tmp_path / "run"
     args = ["--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"), "--micro-batch", "3",
             "--sync", "last", "--output-dir", str(out), *COMMON, "--layout", "shard", "--activation-checkpointing"]  # fmt: skip
-    result = launch(WITH_DYNAMOS_LOG, args, kind="code", environment=env(ACCUM_TRAIN_COMPILE_AFTER_S=threshold))
+    result = run_cli_after(DYNAMOS_LOG, args, env_extra={"ACCUM_TRAIN_COMPILE_AFTER_S": threshold})
     assert result.returncode == 0, result.stdout + result.stderr
     said = "compiling the decoder layers, in the next step" if compiles else "staying eager"
     assert "compile: 1 step of " in result.stdout and said in result.stdout, result.stdout

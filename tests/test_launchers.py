@@ -24,6 +24,7 @@ from helpers import (
     read_metrics,
     rel_err,
     run_cli,
+    run_cli_after,
     save_tiny_model,
     write_ragged_tokens,
 )
@@ -281,18 +282,21 @@ wrap.load_model = load_and_be_preempted
 def test_a_sigterm_before_the_first_step_exits_75_and_the_same_command_then_trains(setup, tmp_path, how):
     """Preempted while loading (no step begun): exit 75, which the Slurm script requeues on, not a
     death by signal that would end the job; the same command line then trains from the start."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(STOPPED_WHILE_LOADING)
     out = tmp_path / "run"
-    launch = ["--nproc", "2", "--master-port", str(free_port())] if how == "wrapper" else []
-    cmd = [str(BIN / "accum-train"), *launch, *common(setup, out, global_batch=4), "--resume", "auto"]
-    stopped = subprocess.run(cmd, cwd=REPO, env=env(PYTHONPATH=f"{hooks}:{REPO}"), capture_output=True, text=True,
-                             timeout=300)  # fmt: skip
+    args = [*common(setup, out, global_batch=4), "--resume", "auto"]
+    if how == "wrapper":  # the wrapper and its workers: real launches, with the patch in every process
+        hooks = tmp_path / "hooks"
+        hooks.mkdir()
+        (hooks / "sitecustomize.py").write_text(STOPPED_WHILE_LOADING)
+        cmd = [str(BIN / "accum-train"), "--nproc", "2", "--master-port", str(free_port()), *args]
+        stopped = subprocess.run(cmd, cwd=REPO, env=env(PYTHONPATH=f"{hooks}:{REPO}"), capture_output=True,
+                                 text=True, timeout=300)  # fmt: skip
+    else:  # one process: forked warm, the patch applied first
+        stopped = run_cli_after(STOPPED_WHILE_LOADING, args)
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     assert "stopped by SIGTERM before this attempt's first step, nothing trained in it" in stopped.stderr
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
-    again = run(cmd)
+    again = run(cmd) if how == "wrapper" else run_cli(args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
 

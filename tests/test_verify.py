@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import REPO, free_port, message_lines, run_cli, save_tiny_model, write_ragged_tokens
+from helpers import free_port, message_lines, run_cli, run_cli_after, save_tiny_model, write_ragged_tokens
 
 G = 13  # ragged at every world size and micro batch used here
 COMMON = ["--global-batch", str(G), "--max-steps", "3", "--lr", "1e-3", "--warmup-steps", "0", "--seed", "5",
@@ -48,7 +48,7 @@ class BatchMixForCausalLM(LlamaForCausalLM):
 """
 
 # The classic bug, in the real ranks: each microbatch's loss divided by its own loss-token count
-# instead of the step's global one (a sitecustomize.py on PYTHONPATH runs in every process).
+# instead of the step's global one (run first in every process: helpers.run_cli_after).
 OWN_COUNT_BUG = """
 from accum_cli.step import loop
 
@@ -197,11 +197,10 @@ def test_a_forward_that_mixes_the_samples_of_its_batch_fails_on_the_loss_at_step
 @pytest.mark.distributed
 def test_the_classic_normalisation_bug_in_the_real_ranks_fails_on_the_gradient_norm(workdir, tmp_path):
     """The loss the run reports is summed apart from the backward, so the bug shows first in the gradient norm."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(OWN_COUNT_BUG)
-    result = verify(workdir, tmp_path / "out", "--layout", "replicate", "--micro-batch", "3", "--sync", "last",
-                    "--json", nproc=2, launcher="torchrun", env_extra={"PYTHONPATH": f"{hooks}:{REPO}"})  # fmt: skip
+    args = ["verify", "--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"),
+            "--output-dir", str(tmp_path / "out"), *COMMON, "--layout", "replicate", "--micro-batch", "3",
+            "--sync", "last", "--json"]  # fmt: skip
+    result = run_cli_after(OWN_COUNT_BUG, args, nproc=2)
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["verdict"] == "fail"
