@@ -165,8 +165,8 @@ def test_auto_policy_is_the_least_communication_that_fits(cache):
 
 
 def test_auto_micro_batch_is_the_largest_that_fits(cache):
-    by_m = peaks("every", range(1, 7))
-    budget = (by_m[3] + by_m[4]) / 2  # m = 4 fits, m = 5 does not
+    at_4, at_5 = peaks("every", [4, 5])
+    budget = (at_4 + at_5) / 2  # m = 4 fits, m = 5 does not
     result = invoke(plan_args("auto", budget, "--sync", "every"))
     assert result.exit_code == 0, result.output
     assert "micro batch       4 sequences per forward/backward" in result.output
@@ -216,8 +216,8 @@ def test_auto_layout_replicates_only_where_its_estimate_fits(cache, precision):
 
 
 def test_replicated_micro_batch_auto_is_the_largest_that_fits_it(cache):
-    by_m = peaks("replicated", range(1, 7))
-    budget = (by_m[2] + by_m[3]) / 2  # m = 3 fits, m = 4 does not
+    at_3, at_4 = peaks("replicated", [3, 4])
+    budget = (at_3 + at_4) / 2  # m = 3 fits, m = 4 does not
     result = invoke(plan_args("auto", budget, "--layout", "replicate"))
     assert result.exit_code == 0, result.output
     assert "micro batch       3 (largest that fits (<= ceil(G/W) = 32): estimated " in result.output
