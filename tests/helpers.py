@@ -205,21 +205,49 @@ def launch(
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd), umask=umask,
                        ranks=ranks, nnodes=nnodes, node_rank=node_rank, stdout=out, stderr=err)  # fmt: skip
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(path)
-            conn.settimeout(timeout)
-            conn.sendall((json.dumps(request) + "\n").encode())
-            replies, session = conn.makefile(), None
-            try:
-                session = json.loads(replies.readline())["session"]
-                codes = json.loads(replies.readline())["codes"]
-            except (TimeoutError, OSError) as exc:
-                if session is not None:
-                    os.killpg(session, 9)  # the session and every rank it forked
-                raise subprocess.TimeoutExpired(target, timeout) from exc
-        stdout, stderr = (Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in (out, err))
+        codes = _session(path, request, timeout)
+        stdout, stderr = (_text(f) for f in (out, err))
     failed = [c for c in codes if c != 0]
     return subprocess.CompletedProcess([target, *argv], failed[0] if failed else 0, stdout, stderr)
+
+
+def _session(path: str, request: dict, timeout: float) -> list[int]:
+    """One launch by the warm parent listening at `path`: the ranks' exit codes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        conn.settimeout(timeout)
+        conn.sendall((json.dumps(request) + "\n").encode())
+        replies, session = conn.makefile(), None
+        try:
+            session = json.loads(replies.readline())["session"]
+            return json.loads(replies.readline())["codes"]
+        except (TimeoutError, OSError) as exc:
+            if session is not None:
+                os.killpg(session, 9)  # the session and every rank it forked
+            raise subprocess.TimeoutExpired(request["target"], timeout) from exc
+
+
+def _text(path: str) -> str:
+    return Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+
+
+def ranks_apart(argv: list[str], ranks: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`python -m accum_cli argv` as `ranks` processes with a launcher's worker environment but no launcher's
+    care: none is stopped when another ends (an agent would stop the rest at once, and could cut one off
+    before its last line), and each has its own output. Forked warm, as launch()."""
+    import tempfile
+
+    path, base = _zygote_socket()
+    environment = base | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        request = dict(target="accum_cli", kind="module", argv=list(map(str, argv)), env=environment, cwd=str(REPO),
+                       ranks=ranks, nnodes=1, node_rank=0, stdout=out, stderr=err, apart=True)  # fmt: skip
+        codes = _session(path, request, timeout)
+        return [
+            subprocess.CompletedProcess(["accum_cli", *argv], code, _text(f"{out}.{rank}"), _text(f"{err}.{rank}"))
+            for rank, code in enumerate(codes)
+        ]
 
 
 def python(

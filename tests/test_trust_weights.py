@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
-    REPO,
-    env,
-    free_port,
+    ranks_apart,
     read_metrics,
     run_cli,
     save_tiny_model,
@@ -111,30 +108,6 @@ def nan_row_model(folder: Path, row: int) -> Path:
     return folder
 
 
-def run_ranks(args: list[str], folder: Path, world: int = 2) -> list[subprocess.CompletedProcess]:
-    """`python -m accum_cli` once per rank with the environment a launcher gives its workers, and no
-    launcher: an agent stops the other ranks as soon as one exits, which could cut rank 0 off before
-    its line, and what each rank does on its own is what is tested here."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        worker_env = env() | {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": port}
-        with open(folder / f"out-{rank}", "w") as out, open(folder / f"err-{rank}", "w") as err:
-            cmd = [sys.executable, "-m", "accum_cli", *args]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=worker_env, stdout=out, stderr=err))
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:  # a rank left waiting in a collective (a broken agreement) must not outlive the test
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [
-        subprocess.CompletedProcess(p.args, code, (folder / f"out-{r}").read_text(), (folder / f"err-{r}").read_text())
-        for r, (p, code) in enumerate(zip(procs, codes, strict=True))
-    ]
-
-
 @slow
 def test_a_nan_in_one_ranks_shard_ends_every_rank_before_anything_is_saved(tmp_path):
     """Two sharded ranks: embedding rows 192..383 live on rank 1 alone, as a DTensor's local
@@ -146,9 +119,9 @@ def test_a_nan_in_one_ranks_shard_ends_every_rank_before_anything_is_saved(tmp_p
         for _ in range(16):  # ids below 192: rank 0's rows only, row 300 never read
             f.write(json.dumps({"input_ids": torch.randint(3, 192, (12,), generator=g).tolist()}) + "\n")
     out = tmp_path / "run"
-    rank0, rank1 = run_ranks(["--model", str(model), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
+    rank0, rank1 = ranks_apart(["--model", str(model), "--dataset", str(tmp_path / "data.jsonl"), "--global-batch",
                               "8", "--micro-batch", "2", "--max-steps", "1", "--layout", "shard",
-                              "--output-dir", str(out), "--verbose"], tmp_path)  # fmt: skip
+                              "--output-dir", str(out), "--verbose"])  # fmt: skip
     assert error_line(rank0, 3) == (
         "accum-train: error: non-finite values at step 1: parameter model.embed_tokens.weight holds NaN or inf after "
         "the update, so no checkpoint or final/ was written from it (check the model's weights, --lr, --weight-decay "

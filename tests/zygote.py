@@ -17,7 +17,7 @@ with the ranks they started.
 
 Protocol (one request per connection on a Unix socket): the client sends one JSON line
 {target, kind: module|path|code, argv, env, cwd, umask (None: this server's), ranks, nnodes, node_rank, stdout,
-stderr}; a session process (its own
+stderr, apart (each rank on its own: none ended when another fails, output to stdout.RANK and stderr.RANK)}; a session process (its own
 process group, so a client timing out kills it and its ranks with one killpg) answers
 {"session": pid} at once and {"codes": [...]} when every rank has ended.
 """
@@ -127,7 +127,8 @@ def run_rank(request: dict, rank: int) -> None:
             os.umask(request["umask"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        suffix = f".{rank}" if request.get("apart") else ""
+        for fd, path in ((1, request["stdout"] + suffix), (2, request["stderr"] + suffix)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
         import runpy
 
@@ -187,7 +188,7 @@ def session(conn: socket.socket, request: dict) -> None:
             time.sleep(0.05)
             continue
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
-        if codes[pids[pid]] != 0 and deadline is None and None in codes:
+        if codes[pids[pid]] != 0 and deadline is None and None in codes and not request.get("apart"):
             for other, rank in pids.items():
                 if codes[rank] is None:
                     os.kill(other, signal.SIGTERM)
