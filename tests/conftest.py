@@ -1,5 +1,7 @@
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 # 2.5 of 4.9 s for 3 steps). Only the tests that look at the picture draw it (ACCUM_TRAIN_REPORT=1 there);
 # launches inherit this through helpers.env().
 os.environ.setdefault("ACCUM_TRAIN_REPORT", "0")
+# Inductor keeps its compiled kernels under the temporary folder, which suite_cache moves: they stay where
+# torch keeps them by default (a path set here, before any process is started, is the same in all of them).
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -19,12 +26,18 @@ def suite_cache(tmp_path_factory):
     the tests write nothing there, and a run of the suite costs the same on a fresh machine as on one
     that ran it before. Shared by the test workers of one run (xdist's give each a folder under one
     root), so a preparation or an estimate that several tests ask for is made once; pytest removes it
-    with its other old folders."""
+    with its other old folders. The temporary folder of every process the tests start is there too: the
+    launchers' and trackers' leftovers (torchelastic_*, wandb's) go with it, not into /tmp run after run."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    for name, folder in (("ACCUM_TRAIN_CACHE", "accum-cache"), ("HF_DATASETS_CACHE", "datasets-cache")):
+    for name, folder in (
+        ("ACCUM_TRAIN_CACHE", "accum-cache"),
+        ("HF_DATASETS_CACHE", "datasets-cache"),
+        ("TMPDIR", "tmp"),
+    ):
         (root / folder).mkdir(exist_ok=True)
         os.environ[name] = str(root / folder)
+    tempfile.tempdir = os.environ["TMPDIR"]  # this process's own, which tempfile read once already
     yield root
 
 
