@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from accum_cli.errors import UserError
+
 # Set by the --nproc wrapper (cli/launcher.py) for its workers where it chose OMP_NUM_THREADS itself, to
 # "CORES/RANKS" (what it divided), so the header can say who chose the thread count and how.
 WRAPPER_THREADS = "ACCUM_TRAIN_WRAPPER_THREADS"
@@ -129,12 +131,30 @@ def start(timeout_s: float = 1800.0) -> Runtime:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # set by torchrun, accelerate launch
-            dist.init_process_group(backend, timeout=timeout)
+            try:
+                dist.init_process_group(backend, timeout=timeout)
+            except dist.DistNetworkError as exc:
+                taken = port_taken(exc)
+                if taken is None:
+                    raise
+                raise taken from None
         else:
             # A world of one still needs a process group: fully_shard works on a device mesh.
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return Runtime(rank, local_rank, world_size, local_world_size, device)
+
+
+def port_taken(exc: BaseException) -> UserError | None:
+    """The rendezvous port already held by another process, as rank 0 finds it where no launcher's agent
+    opened it (srun or a scheduler setting RANK itself): said as that, not as a lost rank (a DistError)."""
+    if "EADDRINUSE" not in str(exc):
+        return None
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    return UserError(
+        f"the rendezvous port {where} is held by another process (another run on this machine?); "
+        "set MASTER_PORT (--master-port with --nproc) to a free port"
+    )
 
 
 def device_memory_bytes(rt: Runtime) -> int:
