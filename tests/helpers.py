@@ -17,7 +17,26 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range (net.ipv4.ip_local_port_range). A port the
+    kernel hands out (bind to 0) is also what it hands to outgoing connections, and the suite's gloo ranks
+    open many: one taken between this call and rank 0's bind explains a 2-rank run that failed at its start
+    as a lost rank once (7 Dec 2026, test_samples.py, 3 workers). Below the range, only another listener can
+    take it, and each picks at random (not from the `random` module's state, which a test may have seeded)."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(100 if low > 20000 else 0):
+        port = random.SystemRandom().randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range here: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
