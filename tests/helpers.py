@@ -216,18 +216,25 @@ def launch(
         mask = None if umask is None else (lambda: os.umask(umask))
         return subprocess.run(cmd, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=mask)  # fmt: skip
-    import tempfile
-
     if distributed:
         environment = environment | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd), umask=umask,
-                       ranks=ranks, nnodes=nnodes, node_rank=node_rank, stdout=out, stderr=err)  # fmt: skip
-        codes = _session(path, request, timeout)
-        stdout, stderr = (_text(f) for f in (out, err))
+    request = dict(target=target, kind=kind, argv=list(map(str, argv)), env=environment, cwd=str(cwd), umask=umask,
+                   ranks=ranks, nnodes=nnodes, node_rank=node_rank)  # fmt: skip
+    codes, [(stdout, stderr)] = _warm(path, request, timeout)
     failed = [c for c in codes if c != 0]
     return subprocess.CompletedProcess([target, *argv], failed[0] if failed else 0, stdout, stderr)
+
+
+def _warm(path: str, request: dict, timeout: float) -> tuple[list[int], list[tuple[str, str]]]:
+    """One launch by the warm parent listening at `path`: the ranks' exit codes, and their stdout and
+    stderr (one pair for all of them; one per rank where the request has them `apart`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        codes = _session(path, request | {"stdout": out, "stderr": err}, timeout)
+        suffixes = [f".{rank}" for rank in range(len(codes))] if request.get("apart") else [""]
+        return codes, [(_text(out + suffix), _text(err + suffix)) for suffix in suffixes]
 
 
 def _session(path: str, request: dict, timeout: float) -> list[int]:
@@ -254,19 +261,15 @@ def ranks_apart(argv: list[str], ranks: int = 2, timeout: float = 240) -> list[s
     """`python -m accum_cli argv` as `ranks` processes with a launcher's worker environment but no launcher's
     care: none is stopped when another ends (an agent would stop the rest at once, and could cut one off
     before its last line), and each has its own output. Forked warm, as launch()."""
-    import tempfile
-
     path, base = _zygote_socket()
     environment = base | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    with tempfile.TemporaryDirectory(prefix="accum-launch-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-        request = dict(target="accum_cli", kind="module", argv=list(map(str, argv)), env=environment, cwd=str(REPO),
-                       ranks=ranks, nnodes=1, node_rank=0, stdout=out, stderr=err, apart=True)  # fmt: skip
-        codes = _session(path, request, timeout)
-        return [
-            subprocess.CompletedProcess(["accum_cli", *argv], code, _text(f"{out}.{rank}"), _text(f"{err}.{rank}"))
-            for rank, code in enumerate(codes)
-        ]
+    request = dict(target="accum_cli", kind="module", argv=list(map(str, argv)), env=environment, cwd=str(REPO),
+                   ranks=ranks, nnodes=1, node_rank=0, apart=True)  # fmt: skip
+    codes, outputs = _warm(path, request, timeout)
+    return [
+        subprocess.CompletedProcess(["accum_cli", *argv], code, stdout, stderr)
+        for code, (stdout, stderr) in zip(codes, outputs, strict=True)
+    ]
 
 
 def python(

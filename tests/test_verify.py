@@ -71,13 +71,17 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
-def verify(workdir: Path, out: Path, *flags: str, model: Path | None = None, nproc: int = 1, wrapper=False, **how):
-    """`accum-train verify ...` on `nproc` ranks; through the --nproc wrapper (`verify --nproc N ...`) if asked."""
+def verify(workdir: Path, out: Path, *flags: str, model: Path | None = None, nproc: int = 1, wrapper=False,
+           prelude: str | None = None, **how):  # fmt: skip
+    """`accum-train verify ...` on `nproc` ranks; through the --nproc wrapper (`verify --nproc N ...`) if asked;
+    each rank running `prelude` first if given (helpers.run_cli_after)."""
     launch = ["--nproc", str(nproc), "--master-port", str(free_port())] if wrapper else []
     args = ["verify", *launch, "--model", str(model or workdir / "model"), "--dataset", str(workdir / "data.jsonl"),
             "--output-dir", str(out), *COMMON, *flags]  # fmt: skip
     if wrapper:
         return run_cli(args, nproc=1, launcher="fresh process", **how)
+    if prelude is not None:
+        return run_cli_after(prelude, args, nproc=nproc, **how)
     return run_cli(args, nproc=nproc, **how)
 
 
@@ -197,10 +201,8 @@ def test_a_forward_that_mixes_the_samples_of_its_batch_fails_on_the_loss_at_step
 @pytest.mark.distributed
 def test_the_classic_normalisation_bug_in_the_real_ranks_fails_on_the_gradient_norm(workdir, tmp_path):
     """The loss the run reports is summed apart from the backward, so the bug shows first in the gradient norm."""
-    args = ["verify", "--model", str(workdir / "model"), "--dataset", str(workdir / "data.jsonl"),
-            "--output-dir", str(tmp_path / "out"), *COMMON, "--layout", "replicate", "--micro-batch", "3",
-            "--sync", "last", "--json"]  # fmt: skip
-    result = run_cli_after(OWN_COUNT_BUG, args, nproc=2)
+    result = verify(workdir, tmp_path / "out", "--layout", "replicate", "--micro-batch", "3", "--sync", "last",
+                    "--json", nproc=2, prelude=OWN_COUNT_BUG)  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["verdict"] == "fail"
