@@ -148,7 +148,7 @@ def start(timeout_s: float = 1800.0) -> Runtime:
 def port_taken(exc: BaseException) -> UserError | None:
     """The rendezvous port already held by another process, as rank 0 finds it where no launcher's agent
     opened it (srun or a scheduler setting RANK itself): said as that, not as a lost rank (a DistError)."""
-    if "EADDRINUSE" not in str(exc):
+    if "EADDRINUSE" not in str(exc):  # torch's DistNetworkError carries no errno, only the store's message
         return None
     where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
     return UserError(
