@@ -385,6 +385,11 @@ MUTANTS = [
     Mutant("compile: the threshold ignored", "accum_cli/parallel/sharding.py",
            "    return remaining_steps * step_seconds >= threshold_s\n", "    return True\n",
            (EQ, "-k", "compile_decided")),
+    Mutant("compile: the layers compiled before the fused loss's probe runs the model", "accum_cli/model/wrap.py",
+           "    _eager_kernels_and_fused_loss(model, settings, device)\n    if settings.bf16:\n",
+           "    if settings.compile:\n        compile_layers(model)\n"
+           "    _eager_kernels_and_fused_loss(model, settings, device)\n    if settings.bf16:\n",
+           ("tests/test_fused_loss.py::test_the_probe_runs_before_the_layers_are_compiled",)),
     # --- memory: the loss, the gloo reduce-scatter and malloc hold no more than they must -------------
     Mutant("loss: the textbook cross-entropy on sliced logits", "accum_cli/loss/tokens.py",
            "    return _CrossEntropySum.apply(logits.reshape(-1, vocab), shifted_targets(labels).reshape(-1))\n",
