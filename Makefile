@@ -21,11 +21,12 @@ $(STAMP): pyproject.toml
 run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
-# Three workers on two cores, a test file each at a time (its module fixtures built once). The cores are
-# busy throughout (vmstat: 0.2% idle at -n 4), so a fourth worker only adds switching: the same fresh clone
-# (dc0dbb8, 1033 tests, quiet machine, 6 Dec 2026) took 14:10 at -n 3 and 15:10 at -n 4.
+# Two workers on two cores, a test file each at a time (its module fixtures built once), each computing on one
+# thread (tests/conftest.py). The cores are busy throughout, so more workers only add switching: one fresh clone
+# of 3db15e1 (1041 tests, quiet machine, cold caches, 7 Dec 2026) took 12:36 at -n 2 (1,445 CPU-s) and 13:18
+# at -n 3 (1,577 CPU-s); serially 16:05.
 test: setup
-	$(BIN)/pytest -q -n 3 --dist loadfile --durations=20
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=20
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not distributed"

@@ -5,6 +5,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -18,6 +19,11 @@ os.environ.setdefault("ACCUM_TRAIN_REPORT", "0")
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
 )
+
+# `make test`'s two workers share the two cores: each computes on one thread, as every process they launch does
+# (helpers.env: OMP_NUM_THREADS=1), not on all of them each (torch's default), which oversubscribes the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
