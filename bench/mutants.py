@@ -385,6 +385,10 @@ MUTANTS = [
     Mutant("compile: the threshold ignored", "accum_cli/parallel/sharding.py",
            "    return remaining_steps * step_seconds >= threshold_s\n", "    return True\n",
            (EQ, "-k", "compile_decided")),
+    Mutant("compile: only the first decoder layer made compilable", "accum_cli/model/compiling.py",
+           "    for layer in decoder_layers(model):\n        layer.forward = SwitchableForward(layer.forward)",
+           "    for layer in list(decoder_layers(model))[:1]:\n        layer.forward = SwitchableForward(layer.forward)",
+           ("tests/test_sharding.py", "-k", "compile_layers_compiles_every_decoder_layer")),
     Mutant("compile: the layers compiled before the fused loss's probe runs the model", "accum_cli/model/wrap.py",
            "    _eager_kernels_and_fused_loss(model, settings, device)\n    if settings.bf16:\n",
            "    if settings.compile:\n        compile_layers(model)\n"
