@@ -22,9 +22,9 @@ run: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/accum-train --output-dir runs/demo --overwrite
 
 # Two workers on two cores, a test file each at a time (its module fixtures built once), each computing on one
-# thread (tests/conftest.py). The cores are busy throughout, so more workers only add switching: one fresh clone
-# of 3db15e1 (1041 tests, quiet machine, cold caches, 7 Dec 2026) took 12:36 at -n 2 (1,445 CPU-s) and 13:18
-# at -n 3 (1,577 CPU-s); serially 16:05.
+# thread (tests/conftest.py). The cores are busy throughout, so more workers only add switching: a fresh clone
+# of 3db15e1 (1041 tests, quiet Intel Xeon, cold caches, 7 Dec 2026) took 12:36 at -n 2 and 13:18 at -n 3;
+# with a thread per worker, 10:06 and 10:17 (900fbde, e95bf8f). Figures: docs/DEVELOPMENT.md.
 test: setup
 	$(BIN)/pytest -q -n 2 --dist loadfile --durations=20
 
