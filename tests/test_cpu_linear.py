@@ -17,7 +17,8 @@ from accum_cli.errors import UserError
 
 @pytest.fixture
 def calls(monkeypatch) -> list[tuple]:
-    """Every oneDNN call: (input shape, weight shape)."""
+    """Every oneDNN call: (input shape, weight shape); on any CPU, as on an AMD one by default."""
+    monkeypatch.setattr(cpu_linear, "measured_to_pay", lambda: True)
     made = []
     assert cpu_linear.available(), "the probe first, so that its own calls are not counted"
     onednn = cpu_linear._onednn
@@ -77,9 +78,28 @@ def test_the_switch_turns_it_off_and_refuses_what_it_does_not_know(monkeypatch):
         cpu_linear.use_onednn(nn.Linear(256, 688))
 
 
+@pytest.mark.parametrize("vendor, taken", [("AuthenticAMD", 1), ("GenuineIntel", 0)])
+def test_by_default_only_an_amd_cpu_takes_onednn(monkeypatch, tmp_path, vendor, taken):
+    """oneDNN's GEMMs were measured faster than MKL's on an AMD EPYC and no faster on an Intel Xeon: by
+    default only the first takes them; ACCUM_TRAIN_ONEDNN=1 takes them anywhere."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n")
+    monkeypatch.setattr(cpu_linear, "CPUINFO", str(cpuinfo))
+    cpu_linear.measured_to_pay.cache_clear()
+    monkeypatch.delenv("ACCUM_TRAIN_ONEDNN", raising=False)
+    try:
+        assert cpu_linear.use_onednn(nn.Linear(256, 688)) == taken
+        monkeypatch.setenv("ACCUM_TRAIN_ONEDNN", "1")
+        assert cpu_linear.use_onednn(nn.Linear(256, 688)) == 1
+    finally:
+        monkeypatch.undo()
+        cpu_linear.measured_to_pay.cache_clear()
+
+
 def test_without_the_op_every_layer_keeps_torchs_path(monkeypatch):
     """A torch without the private op (or one that computes something else) fails the probe."""
     monkeypatch.delenv("ACCUM_TRAIN_ONEDNN", raising=False)
+    monkeypatch.setattr(cpu_linear, "measured_to_pay", lambda: True)  # the probe decides, not the CPU
     cpu_linear.available.cache_clear()
     monkeypatch.setattr(cpu_linear, "_onednn", lambda x, w, b: torch.nn.functional.linear(x, w, b) * 1.001)
     try:

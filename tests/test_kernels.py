@@ -152,7 +152,7 @@ def test_a_llama_with_swapped_norms_trains_the_same():
 @pytest.mark.parametrize(
     "device, bf16, swapped", [("cpu", False, True), ("cuda", False, False), ("cpu", True, False)], ids=str
 )
-def test_cpu_kernels_only_on_an_fp32_cpu_run(tmp_path, device, bf16, swapped):
+def test_cpu_kernels_only_on_an_fp32_cpu_run(tmp_path, monkeypatch, device, bf16, swapped):
     """The closed-form RMSNorm and the oneDNN linear layers are CPU-only fp32 speedups (cpu/): a CUDA
     run keeps the model's own modules, and so does a bf16 run (autocast and FSDP2's bf16 copies pick
     their own kernels). The install is decided from the device alone, so a CUDA device object is
@@ -162,6 +162,7 @@ def test_cpu_kernels_only_on_an_fp32_cpu_run(tmp_path, device, bf16, swapped):
     from accum_cli.model import wrap
     from accum_cli.parallel.sharding import ShardSettings
 
+    monkeypatch.setenv("ACCUM_TRAIN_ONEDNN", "1")  # whatever the CPU's make: the device and precision decide here
     save_tiny_model(tmp_path / "m")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     wrap._eager_kernels_and_fused_loss(model, ShardSettings(bf16=bf16), torch.device(device))

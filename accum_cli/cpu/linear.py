@@ -7,9 +7,11 @@ backward, 1 thread) took 4% less time (5 Dec, alternating process pairs: 296 -> 
 311 -> 288, 305 -> 293 ms; with the run's own norms and loss 296 -> 289, 305 -> 289, 305 -> 286).
 The weight gradient stays MKL's (oneDNN was no faster there), and so do small products: oneDNN's
 call costs a fixed few microseconds, so under MIN_MACS multiply-adds (128 x 128 x 384: 1.01-1.4x
-MKL's time; 96 x 256 x 688: 0.96x) it is no faster. ACCUM_TRAIN_ONEDNN=0 keeps torch's path
-everywhere, =1 takes oneDNN for every fp32 CPU layer whatever its size (the exactness tests use it
-on their tiny models).
+MKL's time; 96 x 256 x 688: 0.96x) it is no faster. MKL is Intel's, and on an Intel Xeon (AVX-512)
+oneDNN was no faster either (7 Dec, 1 thread, median of 30: 1.09x MKL's time for 1024 x 256 -> 688, 0.95x
+for 688 -> 256, 1.08x and 1.04x at 2048 x 1024 <-> 4096), so by default (`auto`) only an AMD CPU takes
+it. ACCUM_TRAIN_ONEDNN=0 keeps torch's path everywhere, =1 takes oneDNN for every fp32 CPU layer
+whatever its size and CPU (the exactness tests use it on their tiny models).
 
 The op, `torch.ops.mkldnn._linear_pointwise`, is torch's own (inductor's CPU lowering calls it)
 but private, so it is used only where a probe in this process agrees with `F.linear` (output and
@@ -32,6 +34,7 @@ from accum_cli.errors import UserError
 
 MIN_MACS = 2**24  # rows x input x output features: below it oneDNN's call costs more than it saves
 MODES = {"auto": MIN_MACS, "1": 0}  # ACCUM_TRAIN_ONEDNN -> the smallest product taken; "0": never
+CPUINFO = "/proc/cpuinfo"  # its vendor_id decides `auto`
 PROBE_TOLERANCE = 1e-6  # fp32 reassociation only: another blocking of the same sums
 
 
@@ -115,13 +118,29 @@ def _outputs(linear, x, weight, bias, grad) -> list[torch.Tensor]:
 
 
 def min_macs(env) -> int | None:
-    """The smallest product ACCUM_TRAIN_ONEDNN lets oneDNN take (auto, unset: MIN_MACS); None: never."""
+    """The smallest product ACCUM_TRAIN_ONEDNN lets oneDNN take (auto, unset: MIN_MACS on an AMD CPU);
+    None: never."""
     mode = env.get("ACCUM_TRAIN_ONEDNN", "auto").strip().lower()
     if mode == "0":
         return None
     if mode not in MODES:
         raise UserError(f"ACCUM_TRAIN_ONEDNN must be auto, 1 or 0, got {mode!r}")
+    if mode == "auto" and not measured_to_pay():
+        return None
     return MODES[mode]
+
+
+@functools.cache
+def measured_to_pay() -> bool:
+    """This CPU is an AMD one, where oneDNN's GEMMs were measured faster than MKL's (the docstring)."""
+    try:
+        with open(CPUINFO, encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[-1].strip() == "AuthenticAMD"
+    except OSError:
+        pass
+    return False
 
 
 def use_onednn(model: nn.Module) -> int:
